@@ -1,0 +1,26 @@
+"""/engines: resolve an engine_id, and plan a decode rank's handshake."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.api.deps import EngineIdPath, RegistryDep
+from app.schemas import Engine, Handshake, HandshakeRequest
+
+router = APIRouter(prefix="/engines", tags=["engines"])
+
+
+@router.get("/{engine_id}", response_model=Engine, summary="Resolve an engine_id")
+async def resolve(engine_id: EngineIdPath, registry: RegistryDep) -> Engine:
+    return (await registry.resolve(engine_id)).view()
+
+
+@router.post(
+    "/{engine_id}/handshake",
+    response_model=Handshake,
+    summary="What a decode rank must load from this prefill engine",
+)
+async def handshake(
+    engine_id: EngineIdPath, body: HandshakeRequest, registry: RegistryDep
+) -> Handshake:
+    return await registry.handshake(engine_id, body)

@@ -1,0 +1,107 @@
+"""/tp-groups: engines per launch, and each rank's agent registration."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response, status
+
+from app.api.deps import GroupIdPath, RankPath, RegistryDep
+from app.schemas import (
+    Agent,
+    Engine,
+    EngineIdBody,
+    Groups,
+    Heartbeat,
+    OpenEngineRequest,
+    RegisterAgentRequest,
+)
+
+router = APIRouter(prefix="/tp-groups", tags=["tp-groups"])
+
+
+@router.get("", response_model=Groups, summary="Current engine of every group")
+async def list_groups(registry: RegistryDep) -> Groups:
+    return Groups(groups=await registry.list_groups())
+
+
+@router.put(
+    "/{group_id}/engine",
+    response_model=Engine,
+    status_code=status.HTTP_201_CREATED,
+    summary="TP rank 0 opens the engine of its launch",
+    responses={200: {"model": Engine, "description": "This launch's engine, opened before"}},
+)
+async def open_engine(
+    group_id: GroupIdPath, body: OpenEngineRequest, registry: RegistryDep, response: Response
+) -> Engine:
+    engine, created = await registry.open_engine(group_id, body)
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return engine
+
+
+@router.get("/{group_id}/engine", response_model=Engine, summary="The group's current engine")
+async def get_engine(
+    group_id: GroupIdPath,
+    registry: RegistryDep,
+    wait_ready: Annotated[
+        float | None,
+        Query(ge=0, le=60, description="Hold the answer until ready or this many seconds pass."),
+    ] = None,
+) -> Engine:
+    return await registry.get_engine(group_id, wait_ready)
+
+
+@router.delete(
+    "/{group_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Forget a group entirely"
+)
+async def delete_group(group_id: GroupIdPath, registry: RegistryDep) -> Response:
+    await registry.delete_group(group_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put(
+    "/{group_id}/engine/agents/{rank}",
+    response_model=Agent,
+    status_code=status.HTTP_201_CREATED,
+    summary="Register (or replace) a rank's NIXL agent",
+    responses={200: {"model": Agent, "description": "Replaced the rank's live agent"}},
+)
+async def register_agent(
+    group_id: GroupIdPath,
+    rank: RankPath,
+    body: RegisterAgentRequest,
+    registry: RegistryDep,
+    request: Request,
+    response: Response,
+) -> Agent:
+    client = request.client.host if request.client else None
+    agent, created = await registry.register_agent(group_id, rank, body, client)
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return agent
+
+
+@router.post(
+    "/{group_id}/engine/agents/{rank}/heartbeat",
+    response_model=Heartbeat,
+    summary="Renew a rank's lease",
+)
+async def heartbeat(
+    group_id: GroupIdPath, rank: RankPath, body: EngineIdBody, registry: RegistryDep
+) -> Heartbeat:
+    return await registry.heartbeat(group_id, rank, body.engine_id)
+
+
+@router.delete(
+    "/{group_id}/engine/agents/{rank}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Deregister a rank's agent",
+)
+async def deregister_agent(
+    group_id: GroupIdPath,
+    rank: RankPath,
+    registry: RegistryDep,
+    engine_id: Annotated[str, Query(min_length=1, max_length=128)],
+) -> Response:
+    await registry.deregister(group_id, rank, engine_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,113 @@
+"""Bearer tokens with three roles, checked in a pure ASGI middleware before anything else.
+
+Checking here (and not in a FastAPI dependency) keeps the contract's order: an unauthorized
+request gets 401 even when its body is malformed, which FastAPI would otherwise parse first.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Literal
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.errors import Forbidden, RegistryError, Unauthorized
+from app.problems import send_problem
+
+RoleName = Literal["reader", "worker", "admin"]
+ROLES: dict[str, int] = {"reader": 0, "worker": 1, "admin": 2}
+Tokens = dict[str, RoleName]
+
+PUBLIC_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
+)
+
+
+class TokenFileError(ValueError):
+    pass
+
+
+def parse_tokens(text: str, *, source: str) -> Tokens:
+    """``role:token`` a line, ``#`` comments. Errors name the line, never the token."""
+    tokens: Tokens = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        role, sep, token = line.partition(":")
+        role, token = role.strip(), token.strip()
+        if not sep or role not in ROLES or not token:
+            raise TokenFileError(
+                f"{source} line {number}: expected 'role:token' with role reader, worker or admin"
+            )
+        if len(token) < 16:
+            raise TokenFileError(f"{source} line {number}: token shorter than 16 characters")
+        tokens[token] = role  # type: ignore[assignment]
+    return tokens
+
+
+def load_tokens(path: Path) -> Tokens:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TokenFileError(f"cannot read tokens file {path}: {exc.strerror}") from None
+    return parse_tokens(text, source=str(path))
+
+
+def required_role(method: str, path: str) -> RoleName | None:
+    """None for public paths; admin to delete a group; reader for reads; worker otherwise."""
+    if path in PUBLIC_PATHS:
+        return None
+    parts = [p for p in path.split("/") if p]
+    if method == "DELETE" and len(parts) == 2 and parts[0] == "tp-groups":
+        return "admin"
+    if method in {"GET", "HEAD", "OPTIONS"}:
+        return "reader"
+    return "worker"
+
+
+def role_of(tokens: Tokens, presented: str) -> RoleName | None:
+    """Compare against every token in constant time (no early exit on a match)."""
+    found: RoleName | None = None
+    candidate = presented.encode()
+    for token, role in tokens.items():
+        if hmac.compare_digest(token.encode(), candidate):
+            found = role
+    return found
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, tokens: Tokens) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.tokens:
+            await self.app(scope, receive, send)
+            return
+        needed = required_role(scope["method"], scope["path"])
+        if needed is None:
+            await self.app(scope, receive, send)
+            return
+        error: RegistryError | None = None
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, presented = header.partition(" ")
+        role = role_of(self.tokens, presented.strip()) if scheme.lower() == "bearer" else None
+        if role is None:
+            error = Unauthorized(
+                "A valid bearer token is required: send 'Authorization: Bearer <token>' with a "
+                "token from the registry's tokens file."
+                if header
+                else "No credentials: send 'Authorization: Bearer <token>'."
+            )
+        elif ROLES[role] < ROLES[needed]:
+            error = Forbidden(
+                f"This token's role is {role}; {scope['method']} {scope['path']} needs {needed}."
+            )
+        if error is None:
+            scope.setdefault("state", {})["role"] = role
+            await self.app(scope, receive, send)
+            return
+        headers = [(b"www-authenticate", b'Bearer realm="engine-registry"')]
+        await send_problem(send, error, scope, extra_headers=headers if error.status == 401 else [])

@@ -1,0 +1,131 @@
+"""Errors of the registry, each one an RFC 9457 problem with a stable ``code``.
+
+    RegistryError                      the base; carries status, code, title, detail, extras
+    ├── HttpProblem           4xx/500  method_not_allowed, internal (outside the contract)
+    ├── InvalidRequest        422      invalid_request (``errors``: the field errors)
+    ├── Unauthorized          401      unauthorized
+    ├── Forbidden             403      forbidden
+    ├── NotFound              404      not_found
+    ├── PayloadTooLarge       413      payload_too_large
+    ├── GroupConflict         409      group_conflict
+    ├── LaunchSuperseded      409      launch_superseded (current_generation)
+    ├── EngineIdMismatch      409      engine_id_mismatch (expected/got_engine_id, cause)
+    ├── Incompatible          409      incompatible (mismatches)
+    ├── EngineSuperseded      410      engine_superseded (current_engine_id, current_generation)
+    ├── NotReady              503      not_ready (missing_ranks)
+    └── StoreUnavailable      503      store_unavailable
+
+Store backends translate their driver's errors at the boundary
+(``raise StoreUnavailable(...) from exc``); nothing backend-specific leaves the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROBLEM_TYPE_BASE = "urn:engine-registry:problem:"
+
+
+class RegistryError(Exception):
+    status: int = 500
+    code: str = "internal"
+    title: str = "Internal error"
+
+    def __init__(self, detail: str, **extras: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extras = extras
+
+    def problem(self, instance: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": PROBLEM_TYPE_BASE + self.code,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+        }
+        if instance is not None:
+            body["instance"] = instance
+        body.update(self.extras)
+        return body
+
+
+class HttpProblem(RegistryError):
+    """An HTTP-level error outside the contract's table (wrong method, unexpected failure)."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.code = status, code
+        self.title = code.replace("_", " ").capitalize()
+
+
+class InvalidRequest(RegistryError):
+    status = 422
+    code = "invalid_request"
+    title = "Invalid request"
+
+
+class Unauthorized(RegistryError):
+    status = 401
+    code = "unauthorized"
+    title = "Authentication required"
+
+
+class Forbidden(RegistryError):
+    status = 403
+    code = "forbidden"
+    title = "Not allowed for this token's role"
+
+
+class NotFound(RegistryError):
+    status = 404
+    code = "not_found"
+    title = "Not found"
+
+
+class PayloadTooLarge(RegistryError):
+    status = 413
+    code = "payload_too_large"
+    title = "Request body too large"
+
+
+class GroupConflict(RegistryError):
+    status = 409
+    code = "group_conflict"
+    title = "Launch conflicts with the group's current engine"
+
+
+class LaunchSuperseded(RegistryError):
+    status = 409
+    code = "launch_superseded"
+    title = "This launch was superseded by a newer one"
+
+
+class EngineIdMismatch(RegistryError):
+    status = 409
+    code = "engine_id_mismatch"
+    title = "engine_id is not the group's current engine"
+
+
+class Incompatible(RegistryError):
+    status = 409
+    code = "incompatible"
+    title = "Prefill and decode engines are incompatible"
+
+
+class EngineSuperseded(RegistryError):
+    status = 410
+    code = "engine_superseded"
+    title = "Engine superseded by a newer generation"
+
+
+class NotReady(RegistryError):
+    status = 503
+    code = "not_ready"
+    title = "Target ranks have no live agent"
+
+
+class StoreUnavailable(RegistryError):
+    status = 503
+    code = "store_unavailable"
+    title = "The registry's store does not answer"

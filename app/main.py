@@ -1,0 +1,116 @@
+"""Builds the FastAPI app: routers, error handlers, middleware, and a lifespan that owns the
+store. Nothing is built at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from app.api.routes import engines, health, tp_groups
+from app.auth import AuthMiddleware
+from app.errors import HttpProblem, InvalidRequest, NotFound, PayloadTooLarge, RegistryError
+from app.metrics import Metrics
+from app.middleware import TOO_LARGE, BodyLimitMiddleware, ObserveMiddleware
+from app.problems import field_errors, problem_response
+from app.registry import Registry
+from app.settings import Settings
+from app.store import Store, create_store
+from app.store.sqlite import SqliteStore
+
+log = logging.getLogger("app")
+
+
+async def _sweep(store: SqliteStore, interval_s: float) -> None:
+    """Purge expired leases so waiters wake and the file stays small (etcd does this itself)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await store.purge_expired()
+        except RegistryError as exc:
+            log.warning("lease sweep failed", extra={"error": exc.detail})
+
+
+def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = store or create_store(settings.store, timeout_s=settings.store_timeout_s)
+        app.state.registry = Registry(owned, metrics)
+        sweeper = None
+        if isinstance(owned, SqliteStore):
+            sweeper = asyncio.create_task(_sweep(owned, settings.sweep_interval_s))
+        log.info("registry serving", extra={"store": owned.description})
+        try:
+            yield
+        finally:
+            if sweeper is not None:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+            await owned.close()
+
+    app = FastAPI(
+        title="Engine registry",
+        version="0.1.0",
+        summary="One engine_id per launch of a TP group, and its ranks' NIXL agents.",
+        lifespan=lifespan,
+        strict_content_type=False,
+    )
+    app.include_router(tp_groups.router)
+    app.include_router(engines.router)
+    app.include_router(health.router)
+
+    @app.exception_handler(RegistryError)
+    async def on_registry_error(request: Request, exc: RegistryError) -> Response:
+        return problem_response(exc, request.scope)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = field_errors(list(exc.errors()))
+        if request.scope.get("state", {}).get(TOO_LARGE):
+            outside_body = [e for e in errors if not e["loc"] or e["loc"][0] != "body"]
+            if not outside_body:
+                return problem_response(
+                    PayloadTooLarge(
+                        f"The request body is larger than {settings.max_body_bytes} bytes "
+                        "(REGISTRY_MAX_BODY_BYTES). Agent metadata blobs must fit in it."
+                    ),
+                    request.scope,
+                )
+            errors = outside_body
+        where = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors[:5])
+        return problem_response(
+            InvalidRequest(f"The request is invalid: {where}", errors=errors), request.scope
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            error: RegistryError = NotFound(f"No such path: {request.url.path}")
+        else:
+            code = {405: "method_not_allowed"}.get(exc.status_code, "http_error")
+            error = HttpProblem(exc.status_code, code, str(exc.detail))
+        return problem_response(error, request.scope, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error", extra={"path": request.url.path})
+        return problem_response(
+            HttpProblem(500, "internal", "The registry failed unexpectedly; see its log."),
+            request.scope,
+        )
+
+    # Outermost first: ids and metrics see everything; auth runs before any parsing.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, tokens=settings.auth_tokens())
+    app.add_middleware(ObserveMiddleware, metrics=metrics, access_log=settings.access_log)
+    return app

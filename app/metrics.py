@@ -1,0 +1,73 @@
+"""Prometheus metrics, one registry per app instance (tests build many apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "registry_http_requests",
+            "HTTP requests answered, by route template, method and status.",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "registry_http_request_duration_seconds",
+            "Time to answer an HTTP request, by route template and method.",
+            ["route", "method"],
+            buckets=(
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+                30,
+                60,
+            ),
+            registry=self.registry,
+        )
+        self.engines_opened = Counter(
+            "registry_engines_opened",
+            "Engines (generations) opened.",
+            registry=self.registry,
+        )
+        self.mismatches = Counter(
+            "registry_engine_id_mismatches",
+            "engine_id_mismatch answers, by cause (superseded, other_group, unknown).",
+            ["cause"],
+            registry=self.registry,
+        )
+        self.live_agents = Gauge(
+            "registry_live_agents",
+            "Agents with an unexpired lease, at the last scrape.",
+            registry=self.registry,
+        )
+        self.groups = Gauge(
+            "registry_groups", "Groups known, at the last scrape.", registry=self.registry
+        )
+        self.ready_groups = Gauge(
+            "registry_ready_groups",
+            "Groups whose current engine has a live agent on every rank, at the last scrape.",
+            registry=self.registry,
+        )
+        self.store_up = Gauge(
+            "registry_store_up",
+            "1 when the store answered the last check, else 0.",
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

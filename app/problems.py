@@ -1,0 +1,57 @@
+"""problem+json answers (RFC 9457), for FastAPI handlers and for raw ASGI middleware."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import Scope, Send
+
+from app.errors import RegistryError
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+def _instance(scope: Scope) -> str:
+    return str(scope.get("path", ""))
+
+
+def problem_response(
+    error: RegistryError, scope: Scope, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error.problem(_instance(scope)),
+        status_code=error.status,
+        media_type=PROBLEM_MEDIA_TYPE,
+        headers=headers,
+    )
+
+
+async def send_problem(
+    send: Send,
+    error: RegistryError,
+    scope: Scope,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    body = json.dumps(error.problem(_instance(scope)), separators=(",", ":")).encode()
+    headers: list[tuple[bytes, bytes]] = [
+        (b"content-type", PROBLEM_MEDIA_TYPE.encode()),
+        (b"content-length", str(len(body)).encode()),
+        *(extra_headers or []),
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def field_errors(errors: list[Any]) -> list[dict[str, Any]]:
+    """Pydantic's errors without the echoed input (it may be a 4 MiB blob) or raw objects."""
+    cleaned = []
+    for err in errors:
+        item: dict[str, Any] = {
+            "loc": [str(p) if not isinstance(p, int) else p for p in err.get("loc", ())],
+            "msg": str(err.get("msg", "")),
+            "type": str(err.get("type", "")),
+        }
+        cleaned.append(item)
+    return cleaned

@@ -1,0 +1,188 @@
+"""The wire shapes of shared/API.md. Request models are strict: wrong JSON types, unknown
+top-level fields and out-of-range values are refused (422) before anything is touched."""
+
+from __future__ import annotations
+
+import binascii
+import ipaddress
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+GROUP_ID_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
+MAX_TP_SIZE = 65536
+MAX_COMPAT_KEYS = 32
+
+GroupId = Annotated[str, StringConstraints(pattern=GROUP_ID_PATTERN)]
+Role = Literal["prefill", "decode", "both"]
+CompatValue = (
+    StrictBool | StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictStr
+)
+CompatKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+Compat = Annotated[dict[CompatKey, CompatValue], Field(max_length=MAX_COMPAT_KEYS)]
+TpSize = Annotated[StrictInt, Field(ge=1, le=MAX_TP_SIZE)]
+Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_TP_SIZE)]
+Token = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+MemType = Literal["DRAM", "VRAM", "BLK", "OBJ", "FILE"]
+
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+    r"(\.([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?))*\.?$"
+)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class OpenEngineRequest(_Request):
+    launch_id: Token
+    tp_size: TpSize
+    role: Role
+    compat: Compat | None = None
+
+
+class KvDescription(BaseModel):
+    """Where a rank's KV cache lives. Extra keys (layouts, per-layer lists) are kept as given."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    mem_type: MemType
+    device_id: Annotated[StrictInt, Field(ge=0)]
+    base_addrs: Annotated[
+        list[Annotated[StrictInt, Field(ge=0, lt=2**64)]], Field(max_length=65536)
+    ]
+    num_blocks: Annotated[StrictInt, Field(ge=1)]
+    block_len: Annotated[StrictInt, Field(ge=1)]
+
+
+def parse_host(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The host as an IP address, None for a DNS name; ValueError when it is neither."""
+    try:
+        return ipaddress.ip_address(value)
+    except ValueError:
+        if _HOSTNAME.match(value) and not value.replace(".", "").isdigit():
+            return None
+        raise ValueError(f"host {value!r} is neither an IP address nor a DNS name") from None
+
+
+class RegisterAgentRequest(_Request):
+    engine_id: Token
+    agent_name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    agent_metadata: Annotated[str, StringConstraints(min_length=1)]
+    host: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    kv: KvDescription
+    ttl_s: Annotated[StrictInt, Field(ge=5, le=3600)] = 30
+
+    @field_validator("agent_metadata")
+    @classmethod
+    def _base64(cls, value: str) -> str:
+        try:
+            binascii.a2b_base64(value, strict_mode=True)
+        except binascii.Error as exc:
+            raise ValueError(f"agent_metadata is not valid base64 ({exc})") from None
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _routable(cls, value: str) -> str:
+        address = parse_host(value)
+        if address is not None and address.is_unspecified:
+            raise ValueError(
+                f"host {value!r} is unspecified: advertise the address peers can reach "
+                "(the one that routes to the registry), not a wildcard"
+            )
+        return value
+
+
+class EngineIdBody(_Request):
+    engine_id: Token
+
+
+class HandshakeRequest(_Request):
+    tp_size: TpSize
+    rank: Rank
+    compat: Compat | None = None
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> HandshakeRequest:
+        if self.rank >= self.tp_size:
+            raise ValueError(f"rank {self.rank} must be below tp_size {self.tp_size}")
+        return self
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+class AgentSummary(BaseModel):
+    rank: int
+    agent_name: str
+    host: str
+    expires_at: str
+
+
+class Engine(BaseModel):
+    group_id: str
+    engine_id: str
+    generation: int
+    launch_id: str
+    tp_size: int
+    role: Role
+    compat: dict[str, Any]
+    created_at: str
+    ready: bool
+    registered_ranks: list[int]
+    missing_ranks: list[int]
+    agents: list[AgentSummary] = Field(
+        default_factory=list, description="Live agents (no metadata blobs), by rank."
+    )
+
+
+class Agent(BaseModel):
+    engine_id: str
+    generation: int
+    rank: int
+    agent_name: str
+    host: str
+    kv: dict[str, Any]
+    ttl_s: int
+    registered_at: str
+    expires_at: str
+
+
+class Heartbeat(BaseModel):
+    expires_at: str
+
+
+class Target(BaseModel):
+    rank: int
+    agent_name: str
+    agent_metadata: str
+    host: str
+    kv: dict[str, Any]
+    expires_at: str
+
+
+class Handshake(BaseModel):
+    engine_id: str
+    group_id: str
+    generation: int
+    remote_tp_size: int
+    tp_ratio: int
+    targets: list[Target]
+
+
+class Groups(BaseModel):
+    groups: list[Engine]

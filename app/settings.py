@@ -1,0 +1,64 @@
+"""Configuration: one pydantic-settings class, every field a ``REGISTRY_`` variable and a flag."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.auth import Tokens, load_tokens, parse_tokens
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="REGISTRY_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free).")
+    store: str = Field(
+        "sqlite:///registry.db",
+        description="sqlite:///path/to/registry.db or etcd://host:port[,host:port…]/prefix",
+    )
+    tokens_file: Path | None = Field(None, description="File of role:token lines.")
+    tokens: str | None = Field(
+        None, description="role:token pairs separated by commas (instead of a file)."
+    )
+    insecure: bool = Field(False, description="Serve without tokens on a non-loopback address.")
+    store_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="Bound on every store call; past it, 503."
+    )
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Request body limit.")
+    sweep_interval_s: float = Field(
+        1.0, gt=0, le=60, description="How often expired leases are purged (SQLite)."
+    )
+    log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
+    access_log: bool = Field(True, description="One log line per request.")
+
+    @model_validator(mode="after")
+    def _refuse_open_network(self) -> Settings:
+        if not self.auth_tokens() and not self.insecure and not is_loopback_host(self.host):
+            raise ValueError(
+                f"Refusing to listen on {self.host} without tokens: anyone who reaches it could "
+                "replace agents' metadata. Give tokens with --tokens-file (REGISTRY_TOKENS_FILE) "
+                "or --tokens, or listen on 127.0.0.1, or pass --insecure (REGISTRY_INSECURE=1) "
+                "on a trusted network."
+            )
+        return self
+
+    def auth_tokens(self) -> Tokens:
+        tokens: Tokens = {}
+        if self.tokens_file is not None:
+            tokens.update(load_tokens(self.tokens_file))
+        if self.tokens:
+            tokens.update(parse_tokens(self.tokens.replace(",", "\n"), source="REGISTRY_TOKENS"))
+        return tokens

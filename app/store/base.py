@@ -1,0 +1,121 @@
+"""The storage interface: a small key-value store with multi-key compare-and-set and leases.
+
+It is shaped after etcd's data model, so that the etcd backend is a thin translation and the
+SQLite backend a faithful emulation:
+
+- every write bumps one store-wide ``revision``; every entry carries the revision of its last
+  write (``mod_revision``);
+- a transaction compares entries' mod_revisions (0 = "must be absent") and, only if all
+  match, applies its operations atomically. Losing a race is a return value, not an exception;
+- an entry may be attached to a lease, which expires ``ttl_s`` seconds after its last refresh
+  unless refreshed; an expired lease's entries are gone for every reader;
+- ``wait`` blocks (with a deadline) until something under a prefix changes after a revision.
+
+Every method raises :class:`app.errors.StoreUnavailable` when the backend does not answer
+within the operator's bound, and never anything backend-specific.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    key: str
+    value: bytes
+    mod_revision: int
+    lease: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """Holds when ``key``'s mod_revision equals ``mod_revision`` (0: the key is absent)."""
+
+    key: str
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """Deletes ``key``, or every key starting with it when ``prefix`` is set."""
+
+    key: str
+    prefix: bool = False
+
+
+Op = Put | Delete
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    id: int
+    ttl_s: int
+    # Seconds until expiry as the store sees it (not a wall-clock instant: clocks differ).
+    remaining_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Entries under a prefix, read at one consistent ``revision``."""
+
+    entries: list[Entry]
+    revision: int
+    # Remaining lease time of each lease those entries hold, read with them.
+    lease_remaining_s: dict[int, float]
+
+
+class Store(ABC):
+    """A key-value store with compare-and-set transactions and leases (see module doc)."""
+
+    #: A short description for logs and /readyz, never including credentials.
+    description: str = ""
+
+    @abstractmethod
+    async def get(self, key: str) -> Entry | None: ...
+
+    @abstractmethod
+    async def range(self, prefix: str) -> Snapshot:
+        """Every live entry whose key starts with ``prefix``, ordered by key."""
+
+    @abstractmethod
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
+        """Apply ``ops`` atomically if every compare holds; else change nothing."""
+
+    @abstractmethod
+    async def grant_lease(self, ttl_s: int) -> Lease: ...
+
+    @abstractmethod
+    async def refresh_lease(self, lease_id: int) -> Lease | None:
+        """Restart the lease's countdown; None when it expired or never existed."""
+
+    @abstractmethod
+    async def revoke_lease(self, lease_id: int) -> None:
+        """End the lease now, deleting its entries; a no-op for an unknown lease."""
+
+    @abstractmethod
+    async def wait(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
+        """Return True once a key under ``prefix`` changed after ``after_revision``,
+        False when ``timeout_s`` passed first. May return True spuriously."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raise StoreUnavailable unless the store answers a trivial read."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
