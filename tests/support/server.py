@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import httpx
 
@@ -43,6 +44,7 @@ class RegistryProcess:
         self.env = dict(env or {})
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: BinaryIO | None = None
 
     @property
     def url(self) -> str:
@@ -54,11 +56,14 @@ class RegistryProcess:
             sys.executable, "-m", "app", "serve",
             "--host", self.host, "--port", str(self.port), "--store", self.store, *self.args,
         ]  # fmt: skip
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._close_log()
+        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        log = self._log or subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._close_log()
                 raise RuntimeError(f"registry exited with {self.proc.returncode}: {cmd}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
@@ -78,6 +83,12 @@ class RegistryProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
         self.proc = None
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
