@@ -1,0 +1,291 @@
+"""A typed, synchronous client for the registry's REST contract (shared/API.md).
+
+Policy, in one place:
+
+- Every call has a deadline (`timeout_s`, default the client's). Each HTTP attempt gets what is
+  left of it, so no call outlives its deadline by more than a connect timeout's rounding.
+- Connection errors and 503 answers are retried, with exponential backoff and jitter, until
+  the deadline; 4xx answers never are (they are facts, not weather). Every request of the
+  contract is retry-safe (API.md "Retry-safe"), so a retried write cannot open twice.
+- Several registry URLs (replicas) may be given: a failed attempt moves to the next one at
+  once, backoff sleeps only after a full round; the last URL that answered is tried first.
+- Error answers become the `ProblemError` subclass named by their `code`.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from workers.errors import ProblemError, RegistryUnavailable, problem_class
+from workers.models import AgentRecord, Compat, Engine, Handshake, KvSpec, Role
+
+DEFAULT_TIMEOUT_S = 10.0
+# Extra time granted to an attempt that asked the server to hold the answer (wait_ready).
+HOLD_MARGIN_S = 5.0
+
+
+def _normalize_urls(urls: str | Sequence[str]) -> list[str]:
+    items = [urls] if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for item in items:
+        for part in item.split(","):
+            part = part.strip().rstrip("/")
+            if part:
+                out.append(part)
+    if not out:
+        raise ValueError("at least one registry URL is needed")
+    return out
+
+
+class RegistryClient:
+    """Client for one registry (any number of replicas of it)."""
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        connect_timeout_s: float = 2.0,
+        backoff_base_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+        transport: httpx.BaseTransport | None = None,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.urls = _normalize_urls(urls)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self._rng = rng or random.Random()
+        self._sleep = sleep
+        self._clock = clock
+        self._preferred = 0
+        headers = {"Accept": "application/json, application/problem+json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(headers=headers, transport=transport, trust_env=False)
+
+    @property
+    def url(self) -> str:
+        """The replica that answered last (or the first one)."""
+        return self.urls[self._preferred]
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- transport ------------------------------------------------------------------------
+
+    def _backoff(self, round_no: int) -> float:
+        cap = min(self.backoff_max_s, self.backoff_base_s * float(2**round_no))
+        return cap / 2 + self._rng.uniform(0, cap / 2)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        hold_s: float = 0.0,
+    ) -> httpx.Response:
+        """One logical call: retried and failed over until `timeout_s` (+ `hold_s`) passes."""
+        budget = (self.timeout_s if timeout_s is None else timeout_s) + hold_s
+        deadline = self._clock() + budget
+        n = len(self.urls)
+        attempt = 0
+        last_exc: Exception | None = None
+        last_problem: ProblemError | None = None
+        while True:
+            index = (self._preferred + attempt) % n
+            url = self.urls[index]
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            timeout = httpx.Timeout(remaining, connect=min(self.connect_timeout_s, remaining))
+            try:
+                response = self._http.request(
+                    method, url + path, json=json, params=params, timeout=timeout
+                )
+            except httpx.TransportError as exc:
+                last_exc = exc
+            else:
+                if response.status_code < 400:
+                    self._preferred = index
+                    return response
+                problem = self._problem(response, url)
+                if response.status_code != 503:
+                    self._preferred = index
+                    raise problem
+                last_problem = problem
+            attempt += 1
+            if attempt % n == 0:
+                pause = min(self._backoff(attempt // n - 1), deadline - self._clock())
+                if pause <= 0:
+                    break
+                self._sleep(pause)
+        # A replica that answered 503 says more (missing_ranks, store down) than a refused
+        # connection to another one does.
+        if last_problem is not None:
+            raise last_problem
+        raise RegistryUnavailable(
+            f"{method} {path}: no registry answered within {budget:.1f}s "
+            f"(tried {', '.join(self.urls)}; last error: {last_exc!r})",
+            urls=list(self.urls),
+            attempts=attempt,
+        ) from last_exc
+
+    @staticmethod
+    def _problem(response: httpx.Response, url: str) -> ProblemError:
+        problem: dict[str, Any]
+        try:
+            body = response.json()
+            problem = body if isinstance(body, dict) else {"detail": str(body)}
+        except ValueError:
+            problem = {"detail": response.text[:500]}
+        problem.setdefault("status", response.status_code)
+        cls = problem_class(response.status_code, problem)
+        return cls(problem, status=response.status_code, url=url)
+
+    # -- engines --------------------------------------------------------------------------
+
+    def open_engine(
+        self,
+        group_id: str,
+        *,
+        launch_id: str,
+        tp_size: int,
+        role: Role,
+        compat: Compat | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[Engine, bool]:
+        """Open (or re-open, same launch_id) the group's engine; `True` when newly opened."""
+        body: dict[str, Any] = {"launch_id": launch_id, "tp_size": tp_size, "role": role}
+        if compat is not None:
+            body["compat"] = compat
+        r = self.request("PUT", f"/tp-groups/{group_id}/engine", json=body, timeout_s=timeout_s)
+        return Engine.from_json(r.json()), r.status_code == 201
+
+    def get_engine(
+        self, group_id: str, *, wait_ready_s: float | None = None, timeout_s: float | None = None
+    ) -> Engine:
+        params: dict[str, Any] | None = None
+        hold = 0.0
+        if wait_ready_s is not None:
+            params = {"wait_ready": wait_ready_s}
+            hold = wait_ready_s + HOLD_MARGIN_S
+        r = self.request(
+            "GET", f"/tp-groups/{group_id}/engine", params=params, timeout_s=timeout_s, hold_s=hold
+        )
+        return Engine.from_json(r.json())
+
+    def list_groups(self, *, timeout_s: float | None = None) -> list[Engine]:
+        r = self.request("GET", "/tp-groups", timeout_s=timeout_s)
+        return [Engine.from_json(g) for g in r.json()["groups"]]
+
+    def delete_group(self, group_id: str, *, timeout_s: float | None = None) -> None:
+        self.request("DELETE", f"/tp-groups/{group_id}", timeout_s=timeout_s)
+
+    def resolve_engine(self, engine_id: str, *, timeout_s: float | None = None) -> Engine:
+        r = self.request("GET", f"/engines/{engine_id}", timeout_s=timeout_s)
+        return Engine.from_json(r.json())
+
+    # -- agents ---------------------------------------------------------------------------
+
+    def register_agent(
+        self,
+        group_id: str,
+        rank: int,
+        *,
+        engine_id: str,
+        agent_name: str,
+        agent_metadata: bytes,
+        host: str,
+        kv: KvSpec,
+        ttl_s: int | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[AgentRecord, bool]:
+        """Publish a rank's NIXL agent; `True` when the rank had no live agent before."""
+        body: dict[str, Any] = {
+            "engine_id": engine_id,
+            "agent_name": agent_name,
+            "agent_metadata": base64.b64encode(agent_metadata).decode("ascii"),
+            "host": host,
+            "kv": kv.to_json(),
+        }
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        r = self.request(
+            "PUT", f"/tp-groups/{group_id}/engine/agents/{rank}", json=body, timeout_s=timeout_s
+        )
+        return AgentRecord.from_json(r.json()), r.status_code == 201
+
+    def heartbeat(
+        self, group_id: str, rank: int, *, engine_id: str, timeout_s: float | None = None
+    ) -> str:
+        """Renew the lease; returns the new `expires_at`."""
+        r = self.request(
+            "POST",
+            f"/tp-groups/{group_id}/engine/agents/{rank}/heartbeat",
+            json={"engine_id": engine_id},
+            timeout_s=timeout_s,
+        )
+        return str(r.json().get("expires_at", ""))
+
+    def deregister_agent(
+        self, group_id: str, rank: int, *, engine_id: str, timeout_s: float | None = None
+    ) -> None:
+        self.request(
+            "DELETE",
+            f"/tp-groups/{group_id}/engine/agents/{rank}",
+            params={"engine_id": engine_id},
+            timeout_s=timeout_s,
+        )
+
+    # -- decode side ----------------------------------------------------------------------
+
+    def handshake(
+        self,
+        engine_id: str,
+        *,
+        tp_size: int,
+        rank: int,
+        compat: Compat | None = None,
+        timeout_s: float | None = None,
+    ) -> Handshake:
+        body: dict[str, Any] = {"tp_size": tp_size, "rank": rank}
+        if compat is not None:
+            body["compat"] = compat
+        r = self.request("POST", f"/engines/{engine_id}/handshake", json=body, timeout_s=timeout_s)
+        return Handshake.from_json(r.json())
+
+    # -- health ---------------------------------------------------------------------------
+
+    def healthz(self, *, timeout_s: float | None = None) -> bool:
+        self.request("GET", "/healthz", timeout_s=timeout_s)
+        return True
+
+    def readyz(self, *, timeout_s: float | None = None) -> bool:
+        self.request("GET", "/readyz", timeout_s=timeout_s)
+        return True

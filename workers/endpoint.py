@@ -1,0 +1,297 @@
+"""A rank's NIXL endpoint: its agent, its registered KV memory, and its registry publication.
+
+Data path (`NixlEndpoint`) and control path (`Publication`) are separate objects, as in vLLM's
+connector: the first never talks HTTP, the second never touches NIXL.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import torch
+
+from workers.client import RegistryClient
+from workers.errors import (
+    EngineIdMismatch,
+    NotFound,
+    RegistryError,
+    TransferError,
+)
+from workers.identity import EngineIdentity
+from workers.models import KvSpec, Target
+
+log = logging.getLogger(__name__)
+
+ADVERTISE_HOST_ENV = "WORKERS_ADVERTISE_HOST"
+
+
+class NixlEndpoint:
+    """One `nixl_agent` per rank (UCX backend) and the memory it registered."""
+
+    def __init__(self, agent_name: str, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = agent_name
+        self.agent: Any = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
+        self._registered: list[Any] = []
+        self._remotes: set[str] = set()
+
+    def register(self, tensor: torch.Tensor) -> None:
+        """Register a contiguous tensor (DRAM on CPU, VRAM on a GPU) with every backend."""
+        if not tensor.is_contiguous():
+            raise ValueError("KV memory must be one contiguous tensor")
+        self._registered.append(self.agent.register_memory(tensor))
+
+    def metadata(self) -> bytes:
+        """Agent metadata to publish; taken after registration so it describes the memory."""
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_remote(self, target: Target) -> str:
+        """Load a target's metadata; refuse it unless it names the agent the registry named."""
+        raw = self.agent.add_remote_agent(target.agent_metadata)
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._remotes.add(name)
+        if name != target.agent_name:
+            self.remove_remote(name)
+            raise TransferError(
+                f"remote rank {target.rank}: metadata names agent {name!r}, "
+                f"registry says {target.agent_name!r}"
+            )
+        return name
+
+    def remove_remote(self, name: str) -> None:
+        if name in self._remotes:
+            self._remotes.discard(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as exc:  # a dead peer must not block cleanup
+                log.warning("removing remote agent %s: %s", name, exc)
+
+    def read(
+        self,
+        remote_name: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        *,
+        mem_type: str,
+        deadline_s: float,
+        notif: bytes = b"",
+    ) -> None:
+        """READ `remote` descriptors of `remote_name` into `local` ones; wait until done."""
+        local_descs = self.agent.get_xfer_descs(np.array(local, dtype=np.uint64), mem_type)
+        remote_descs = self.agent.get_xfer_descs(np.array(remote, dtype=np.uint64), mem_type)
+        try:
+            handle = self.agent.initialize_xfer(
+                "READ", local_descs, remote_descs, remote_name, notif
+            )
+        except Exception as exc:  # nixl raises its own binding errors (e.g. disconnected)
+            raise TransferError(f"READ from {remote_name}: {exc}") from exc
+        try:
+            try:
+                state = self.agent.transfer(handle)
+            except Exception as exc:
+                raise TransferError(f"READ from {remote_name}: {exc}") from exc
+            end = time.monotonic() + deadline_s
+            pause = 0.0005
+            while state == "PROC":
+                if time.monotonic() > end:
+                    raise TransferError(f"READ from {remote_name} not done after {deadline_s}s")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                try:
+                    state = self.agent.check_xfer_state(handle)
+                except Exception as exc:
+                    raise TransferError(f"READ from {remote_name}: {exc}") from exc
+            if state != "DONE":
+                raise TransferError(f"READ from {remote_name} failed ({state})")
+        finally:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:
+                log.warning("releasing transfer handle: %s", exc)
+
+    def notify(self, remote_name: str, message: bytes) -> None:
+        try:
+            self.agent.send_notif(remote_name, message)
+        except Exception as exc:
+            raise TransferError(f"notifying {remote_name}: {exc}") from exc
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return dict(self.agent.get_new_notifs())
+
+    def close(self) -> None:
+        """Remove remote agents, deregister memory. Idempotent."""
+        for name in list(self._remotes):
+            self.remove_remote(name)
+        while self._registered:
+            descs = self._registered.pop()
+            try:
+                self.agent.deregister_memory(descs)
+            except Exception as exc:
+                log.warning("deregistering memory: %s", exc)
+
+
+def advertise_host(registry_url: str, override: str | None = None) -> str:
+    """The address peers should use for this rank: the one that routes to the registry.
+
+    `override` (or $WORKERS_ADVERTISE_HOST) wins. The answer is never unspecified; it is
+    loopback only when the registry itself is on loopback (every rank on one machine).
+    """
+    host = override or os.environ.get(ADVERTISE_HOST_ENV)
+    if not host:
+        parts = urlsplit(registry_url)
+        target = parts.hostname or "127.0.0.1"
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        info = socket.getaddrinfo(target, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(info[4])  # UDP connect sends nothing; it only picks a route
+            host = str(probe.getsockname()[0])
+    if ipaddress.ip_address(host).is_unspecified:
+        raise ValueError(f"refusing to advertise unspecified address {host}")
+    return host
+
+
+def check_host_for_group(host: str, hostnames: list[str]) -> None:
+    """Refuse a loopback address when the group's ranks run on different machines."""
+    if len(set(hostnames)) > 1 and ipaddress.ip_address(host).is_loopback:
+        raise ValueError(
+            f"advertised host {host} is loopback but the group spans hosts "
+            f"{sorted(set(hostnames))}; set {ADVERTISE_HOST_ENV}"
+        )
+
+
+class Publication:
+    """A rank's agent registration, kept alive by a background heartbeat.
+
+    The heartbeat runs every `ttl_s * fraction` seconds. After a 404 (the lease expired, say
+    after a registry outage) it registers again; after a 409 (a newer launch superseded this
+    engine) it stops, logs loudly, sets `superseded` and calls `on_superseded`: a rank of an
+    old launch must not keep serving under an id the registry no longer vouches for.
+    """
+
+    def __init__(
+        self,
+        make_client: Callable[[], RegistryClient],
+        identity: EngineIdentity,
+        rank: int,
+        *,
+        agent_name: str,
+        metadata: bytes,
+        host: str,
+        kv: KvSpec,
+        ttl_s: int = 30,
+        fraction: float = 1 / 3,
+        on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+    ) -> None:
+        self._client = make_client()
+        self._hb_client = make_client()  # one httpx client per thread
+        self.identity = identity
+        self.rank = rank
+        self.agent_name = agent_name
+        self._metadata = metadata
+        self.host = host
+        self.kv = kv
+        self.ttl_s = ttl_s
+        self.interval_s = max(0.2, ttl_s * fraction)
+        self.on_superseded = on_superseded
+        self.superseded = threading.Event()
+        self.reregistrations = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish(self, client: RegistryClient | None = None) -> bool:
+        """PUT the agent; True when the rank had no live agent. Raises the registry's error."""
+        _, created = (client or self._client).register_agent(
+            self.identity.group_id,
+            self.rank,
+            engine_id=self.identity.engine_id,
+            agent_name=self.agent_name,
+            agent_metadata=self._metadata,
+            host=self.host,
+            kv=self.kv,
+            ttl_s=self.ttl_s,
+        )
+        return created
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-rank{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        client = self._hb_client
+        while not self._stop.wait(self.interval_s):
+            try:
+                client.heartbeat(
+                    self.identity.group_id,
+                    self.rank,
+                    engine_id=self.identity.engine_id,
+                    timeout_s=self.interval_s,
+                )
+            except NotFound:
+                log.warning("rank %d: agent lease gone (404); registering again", self.rank)
+                try:
+                    self.publish(client)
+                    self.reregistrations += 1
+                except RegistryError as exc:
+                    log.warning("rank %d: re-registration failed: %s", self.rank, exc)
+            except EngineIdMismatch as exc:
+                log.error(
+                    "RANK %d OF ENGINE %s IS SUPERSEDED (%s): a newer launch of group %s owns "
+                    "it now. Heartbeats stop; this rank must shut down.",
+                    self.rank,
+                    self.identity.engine_id,
+                    exc.detail,
+                    self.identity.group_id,
+                )
+                self.superseded.set()
+                if self.on_superseded is not None:
+                    self.on_superseded(exc)
+                return
+            except RegistryError as exc:
+                # Keep trying: a registry outage shorter than the lease costs nothing.
+                log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
+
+    def close(self, *, deregister: bool = True) -> None:
+        """Stop the heartbeat and (unless superseded) deregister. Idempotent, bounded."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+            self._thread = None
+        if deregister and not self.superseded.is_set():
+            try:
+                self._client.deregister_agent(
+                    self.identity.group_id,
+                    self.rank,
+                    engine_id=self.identity.engine_id,
+                    timeout_s=5,
+                )
+            except RegistryError as exc:
+                log.warning("rank %d: deregistration failed: %s", self.rank, exc)
+        self._client.close()
+        self._hb_client.close()
+
+
+def stop_on_signals(
+    stop: threading.Event, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> None:
+    """Turn SIGTERM/SIGINT into `stop.set()`, so the main loop shuts down cleanly."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    for sig in signals:
+        signal.signal(sig, handler)

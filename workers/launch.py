@@ -1,0 +1,241 @@
+"""What the prefill and decode entrypoints share: flags, process group, identity, publication.
+
+Exit codes of both entrypoints (every rank of a group exits with the same one when the cause
+is group-wide, because the outcome is agreed on collectively):
+
+    0  done, every byte verified        3  the registry refused the agents' registration
+    1  unexpected error                 4  superseded by a newer launch while serving
+    2  the engine_id cross-verify failed  5  a transfer or verification failed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from workers.client import RegistryClient
+from workers.endpoint import (
+    NixlEndpoint,
+    Publication,
+    advertise_host,
+    check_host_for_group,
+)
+from workers.errors import EngineIdentityError, EngineIdMismatch, ProblemError, RegistryError
+from workers.identity import (
+    EngineIdentity,
+    agree,
+    cpu_group_for,
+    local_engine_id,
+    sync_engine_id,
+)
+from workers.kv import KvLayout
+from workers.models import KvSpec, Role
+
+EXIT_OK, EXIT_ERROR, EXIT_IDENTITY, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TRANSFER = range(6)
+
+log = logging.getLogger("workers")
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument(
+        "--registry",
+        default=env("WORKERS_REGISTRY_URL", "http://127.0.0.1:8080"),
+        help="registry URL; several replicas comma-separated ($WORKERS_REGISTRY_URL)",
+    )
+    parser.add_argument("--token", default=env("WORKERS_REGISTRY_TOKEN"), help="bearer token")
+    parser.add_argument("--group-id", required=True, help="this TP group's id")
+    parser.add_argument("--model", default="demo-model")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-blocks", type=int, default=16, help="KV blocks per rank")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--num-heads", type=int, default=8, help="KV heads of the model")
+    parser.add_argument("--head-size", type=int, default=64)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM)")
+    parser.add_argument("--ttl-s", type=int, default=30, help="agent lease")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="registry call deadline")
+    parser.add_argument("--collective-timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--engine-id-source",
+        choices=["registry", "local"],
+        default="registry",
+        help="'local' reproduces the original bug: each node makes up its own engine_id",
+    )
+    parser.add_argument(
+        "--allow-fallback",
+        action="store_true",
+        help="if the registry is unreachable, use rank 0's own id (loudly logged)",
+    )
+    parser.add_argument("--advertise-host", default=None)
+    parser.add_argument("--report-dir", default=None, help="write one JSON report per rank")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world: int
+    node_rank: int
+    hostname: str
+    # CPU (gloo) group over the world, for object collectives (see identity's module doc).
+    cpu_group: Any = None
+
+
+def init_distributed(args: argparse.Namespace) -> RankInfo:
+    """Join the TP group torchrun set up (gloo on CPU, nccl when the KV lives on GPUs)."""
+    backend = "nccl" if str(args.device).startswith("cuda") else "gloo"
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.collective_timeout_s))
+    info = RankInfo(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        node_rank=int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))),
+        hostname=socket.gethostname(),
+        cpu_group=cpu_group_for(None),
+    )
+    return info
+
+
+def setup_logging(role: str, info: RankInfo, group_id: str) -> None:
+    fmt = (
+        f"%(asctime)s [{role} {group_id} rank {info.rank}/{info.world} "
+        f"node {info.node_rank}] %(levelname)s %(message)s"
+    )
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stdout, force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+
+
+class Reporter:
+    """One JSON file per rank, rewritten atomically as the rank makes progress."""
+
+    def __init__(self, report_dir: str | None, role: str, group_id: str, rank: int) -> None:
+        self.path = Path(report_dir) / f"{role}-{group_id}-rank{rank}.json" if report_dir else None
+        self.data: dict[str, Any] = {"role": role, "group_id": group_id, "rank": rank}
+        self._lock = threading.Lock()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self.data.update(fields)
+            if self.path is None:
+                return
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+
+
+def layout_from_args(args: argparse.Namespace) -> KvLayout:
+    return KvLayout(
+        num_layers=args.num_layers,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        num_heads=args.num_heads,
+        head_size=args.head_size,
+        dtype=args.dtype,
+    )
+
+
+def client_factory(args: argparse.Namespace) -> Callable[[], RegistryClient]:
+    def make() -> RegistryClient:
+        return RegistryClient(args.registry, token=args.token, timeout_s=args.timeout_s)
+
+    return make
+
+
+def establish_identity(
+    args: argparse.Namespace, client: RegistryClient, info: RankInfo, role: Role, layout: KvLayout
+) -> EngineIdentity:
+    """The engine_id this rank registers under (registry-issued, or node-made in bug mode)."""
+    compat = layout.compat(args.model)
+    if args.engine_id_source == "registry":
+        return sync_engine_id(
+            client,
+            args.group_id,
+            tp_size=info.world,
+            role=role,
+            compat=compat,
+            cpu_group=info.cpu_group,
+            allow_fallback=args.allow_fallback,
+            timeout_s=args.timeout_s,
+        )
+    # Bug mode: rank 0 still opens the group's launch, but every node makes up its own id
+    # and nobody compares (vLLM before its fix). The registry will refuse those ids.
+    opened = ""
+    if info.rank == 0:
+        engine, _ = client.open_engine(
+            args.group_id,
+            launch_id=os.urandom(16).hex(),
+            tp_size=info.world,
+            role=role,
+            compat=compat,
+        )
+        opened = engine.engine_id
+    mine = local_engine_id()
+    log.warning(
+        "engine_id made up locally on node %d: %s%s",
+        info.node_rank,
+        mine,
+        f" (the registry issued {opened} for this launch)" if opened else "",
+    )
+    return EngineIdentity(args.group_id, mine, 0, client.url, "", "local")
+
+
+def publish(
+    args: argparse.Namespace,
+    client: RegistryClient,
+    info: RankInfo,
+    identity: EngineIdentity,
+    endpoint: NixlEndpoint,
+    kv: KvSpec,
+    on_superseded: Callable[[EngineIdMismatch], None],
+) -> Publication:
+    """Publish this rank's agent; all ranks agree on the outcome before anyone serves."""
+    hostnames: list[Any] = [None] * info.world
+    dist.all_gather_object(hostnames, info.hostname, group=info.cpu_group)
+    host = advertise_host(client.url, args.advertise_host)
+    check_host_for_group(host, [str(h) for h in hostnames])
+    publication = Publication(
+        client_factory(args),
+        identity,
+        info.rank,
+        agent_name=endpoint.name,
+        metadata=endpoint.metadata(),
+        host=host,
+        kv=kv,
+        ttl_s=args.ttl_s,
+        on_superseded=on_superseded,
+    )
+    ok, cause, detail = True, "", ""
+    try:
+        publication.publish()
+    except EngineIdMismatch as exc:
+        ok, cause, detail = False, f"registry_refused:{exc.cause}", exc.detail or str(exc)
+    except (ProblemError, RegistryError) as exc:
+        ok, cause, detail = False, "registry_refused", str(exc)
+    try:
+        agree(
+            ok,
+            cause,
+            detail,
+            group=info.cpu_group,
+            what=f"agent registration for {args.group_id!r}",
+        )
+    except EngineIdentityError:
+        publication.close(deregister=ok)
+        raise
+    publication.start()
+    return publication

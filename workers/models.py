@@ -1,0 +1,153 @@
+"""Typed views of the registry's JSON documents (shared/API.md).
+
+Parsing is tolerant of extra members (the contract lets the service add fields) and strict
+about the ones the workers rely on: a missing required member raises `KeyError`/`TypeError`
+at the boundary instead of surfacing later as a confusing transfer failure.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode", "both"]
+CompatValue = str | int | float | bool
+Compat = dict[str, CompatValue]
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """Where a rank's KV cache lies: `base_addrs` regions of `num_blocks` x `block_len` bytes.
+
+    One region per (layer, K|V), each laid out block-major and, inside a block, head-major
+    (vLLM's HND layout), so a contiguous run of heads of one block is one descriptor.
+    """
+
+    mem_type: str
+    device_id: int
+    base_addrs: list[int]
+    num_blocks: int
+    block_len: int
+    num_heads: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+            "base_addrs": list(self.base_addrs),
+            "num_blocks": self.num_blocks,
+            "block_len": self.block_len,
+            "num_heads": self.num_heads,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KvSpec:
+        return cls(
+            mem_type=str(data["mem_type"]),
+            device_id=int(data.get("device_id", 0)),
+            base_addrs=[int(a) for a in data["base_addrs"]],
+            num_blocks=int(data["num_blocks"]),
+            block_len=int(data["block_len"]),
+            num_heads=int(data.get("num_heads", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Engine:
+    group_id: str
+    engine_id: str
+    generation: int
+    launch_id: str
+    tp_size: int
+    role: str
+    compat: dict[str, Any]
+    ready: bool
+    registered_ranks: list[int]
+    missing_ranks: list[int]
+    created_at: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Engine:
+        return cls(
+            group_id=str(data["group_id"]),
+            engine_id=str(data["engine_id"]),
+            generation=int(data["generation"]),
+            launch_id=str(data.get("launch_id", "")),
+            tp_size=int(data["tp_size"]),
+            role=str(data["role"]),
+            compat=dict(data.get("compat") or {}),
+            ready=bool(data.get("ready", False)),
+            registered_ranks=[int(r) for r in data.get("registered_ranks", [])],
+            missing_ranks=[int(r) for r in data.get("missing_ranks", [])],
+            created_at=str(data.get("created_at", "")),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class AgentRecord:
+    """A registered agent as the registry answers it (without the metadata blob)."""
+
+    engine_id: str
+    agent_name: str
+    host: str
+    generation: int
+    expires_at: str
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AgentRecord:
+        return cls(
+            engine_id=str(data.get("engine_id", "")),
+            agent_name=str(data["agent_name"]),
+            host=str(data.get("host", "")),
+            generation=int(data.get("generation", 0)),
+            expires_at=str(data.get("expires_at", "")),
+            raw=data,
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """One prefill rank a decode rank must load, with its NIXL metadata."""
+
+    rank: int
+    agent_name: str
+    agent_metadata: bytes
+    host: str
+    kv: KvSpec
+    expires_at: str = ""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Target:
+        return cls(
+            rank=int(data["rank"]),
+            agent_name=str(data["agent_name"]),
+            agent_metadata=base64.b64decode(data["agent_metadata"], validate=True),
+            host=str(data.get("host", "")),
+            kv=KvSpec.from_json(data["kv"]),
+            expires_at=str(data.get("expires_at", "")),
+        )
+
+
+@dataclass(frozen=True)
+class Handshake:
+    engine_id: str
+    group_id: str
+    generation: int
+    remote_tp_size: int
+    tp_ratio: int
+    targets: list[Target]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Handshake:
+        return cls(
+            engine_id=str(data["engine_id"]),
+            group_id=str(data["group_id"]),
+            generation=int(data["generation"]),
+            remote_tp_size=int(data["remote_tp_size"]),
+            tp_ratio=int(data["tp_ratio"]),
+            targets=sorted((Target.from_json(t) for t in data["targets"]), key=lambda t: t.rank),
+        )
