@@ -65,7 +65,8 @@ def _first_error(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        return f"{where}: {err['msg']}" if where else str(err["msg"]).removeprefix("Value error, ")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        return f"{where}: {msg}" if where else msg
     return str(exc)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.auth import Tokens, load_tokens, parse_tokens
+from app.store import check_store_url
 
 
 def is_loopback_host(host: str) -> bool:
@@ -43,6 +44,11 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
     access_log: bool = Field(True, description="One log line per request.")
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        return check_store_url(value)
 
     @model_validator(mode="after")
     def _refuse_open_network(self) -> Settings:

@@ -16,8 +16,34 @@ __all__ = [
     "Snapshot",
     "Store",
     "TxnResult",
+    "check_store_url",
     "create_store",
 ]
+
+
+def check_store_url(url: str) -> str:
+    """Refuse a malformed store URL at configuration time, before anything starts."""
+    parts = urlsplit(url)
+    if parts.scheme == "sqlite":
+        if parts.netloc or not parts.path.lstrip("/"):
+            raise ValueError(
+                f"Bad SQLite store URL {url!r}: use sqlite:///relative/path.db "
+                "or sqlite:////absolute/path.db"
+            )
+        synchronous = parse_qs(parts.query).get("synchronous", ["normal"])[0]
+        if synchronous.upper() not in {"NORMAL", "FULL", "EXTRA"}:
+            raise ValueError(f"Bad SQLite store URL {url!r}: synchronous=normal|full|extra")
+        return url
+    if parts.scheme == "etcd":
+        if not parts.netloc:
+            raise ValueError(
+                f"Bad etcd store URL {url!r}: use etcd://host:port[,host:port…]/prefix"
+            )
+        return url
+    raise ValueError(
+        f"Unknown store URL {url!r}: expected sqlite:///path/to/registry.db "
+        "or etcd://host:port[,host:port…]/prefix"
+    )
 
 
 def create_store(url: str, *, timeout_s: float = 10.0) -> Store:
@@ -26,15 +52,10 @@ def create_store(url: str, *, timeout_s: float = 10.0) -> Store:
     The etcd driver is imported only when an etcd URL is used, so the SQLite default needs
     nothing beyond the standard library.
     """
-    parts = urlsplit(url)
+    parts = urlsplit(check_store_url(url))
     if parts.scheme == "sqlite":
         # sqlite:///relative.db and sqlite:////abs/path.db, as SQLAlchemy spells them.
-        path = parts.path[1:] if parts.path.startswith("/") else parts.path
-        if parts.netloc or not path:
-            raise ValueError(
-                f"Bad SQLite store URL {url!r}: use sqlite:///relative/path.db "
-                "or sqlite:////absolute/path.db"
-            )
+        path = parts.path[1:]
         query = parse_qs(parts.query)
         synchronous = query.get("synchronous", ["normal"])[0]
         from app.store.sqlite import SqliteStore
@@ -49,7 +70,4 @@ def create_store(url: str, *, timeout_s: float = 10.0) -> Store:
                 f"({exc})"
             ) from exc
         return EtcdStore.from_url(url, timeout_s=timeout_s)
-    raise ValueError(
-        f"Unknown store URL {url!r}: expected sqlite:///path/to/registry.db "
-        "or etcd://host:port[,host:port…]/prefix"
-    )
+    raise AssertionError("unreachable: check_store_url admits sqlite and etcd only")

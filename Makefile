@@ -1,0 +1,49 @@
+# The README's commands. Everything lives in .venv/ at the project root.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+SOURCES := app workers tests bench
+
+.PHONY: run test check lint types system-deps bench demo clean
+
+# The service alone: no torch, no nixl.
+$(VENV)/.service: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Everything the tests need: the workers extra pins torch==2.13.0 (a local CPU build).
+$(VENV)/.dev: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[workers,etcd,dev]'
+	touch $@ $(VENV)/.service
+
+run: $(VENV)/.service
+	$(BIN)/engine-registry serve
+
+# Debian packages the tests use as real parts (etcd server, compose parser).
+system-deps:
+	@bash scripts/system-deps.sh
+
+lint: $(VENV)/.dev
+	$(BIN)/ruff check $(SOURCES)
+	$(BIN)/ruff format --check $(SOURCES)
+
+types: $(VENV)/.dev
+	$(BIN)/mypy
+
+check: lint types
+
+test: $(VENV)/.dev system-deps check
+	$(BIN)/pytest
+
+demo: $(VENV)/.dev
+	$(BIN)/engine-registry demo
+
+bench: $(VENV)/.dev system-deps
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
