@@ -68,9 +68,9 @@ class ObserveMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads the body (as JSON) up to ``limit`` bytes. Past it, hands the app an empty body and marks
-    the request, so that path and query errors still answer 422 first and the validation
-    handler answers 413 instead of "body missing" (the contract's order)."""
+    """Reads the body (as JSON) up to ``limit`` bytes. Past it, hands the app an empty body
+    and marks the request, so that path and query errors still answer 422 first and the
+    validation handler answers 413 instead of "body missing" (the contract's order)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
