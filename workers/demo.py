@@ -1,0 +1,373 @@
+"""`engine-registry demo`: a whole PD deployment on one machine, verified byte for byte.
+
+Starts a registry on a temporary SQLite file, a prefill TP group spread over several "nodes"
+(one `torchrun --nnodes N --node-rank K` per node, all on loopback), and a decode TP group of
+another size that pulls every block over NIXL and verifies it. Prints the workers' progress
+while it runs and a summary at the end; exits 0 only when every byte verified.
+
+`--engine-id-source local` reproduces the original bug instead: every node makes up its own
+engine_id (vLLM before its fix), the ranks of one TP group disagree, and the registry refuses
+to publish agents under ids it never issued. That run exits 1.
+
+This orchestrator imports neither torch nor nixl: only the torchrun children do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+_PRINT_LOCK = threading.Lock()
+
+
+def say(message: str) -> None:
+    with _PRINT_LOCK:
+        print(f"[demo] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="engine-registry demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prefill-tp", type=int, default=2, help="prefill TP size")
+    p.add_argument("--prefill-nodes", type=int, default=2, help="nodes the prefill spans")
+    p.add_argument("--decode-tp", type=int, default=4, help="decode TP size")
+    p.add_argument("--decode-nodes", type=int, default=1, help="nodes the decode spans")
+    p.add_argument("--blocks", type=int, default=64, help="KV blocks per prefill rank")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.add_argument("--num-heads", type=int, default=8, help="KV heads of the model")
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="verified pulls per decode rank")
+    p.add_argument("--engine-id-source", choices=["registry", "local"], default="registry")
+    p.add_argument("--registry", default=None, help="use this registry instead of starting one")
+    p.add_argument("--timeout-s", type=float, default=240.0, help="the whole demo's deadline")
+    p.add_argument("--workdir", default=None, help="keep reports and logs here")
+    p.add_argument("--quiet", action="store_true", help="no worker progress lines")
+    args = p.parse_args(argv)
+    for tp, nodes, what in (
+        (args.prefill_tp, args.prefill_nodes, "prefill"),
+        (args.decode_tp, args.decode_nodes, "decode"),
+    ):
+        if tp < 1 or nodes < 1 or tp % nodes:
+            p.error(f"--{what}-tp {tp} must be a positive multiple of --{what}-nodes {nodes}")
+        if args.num_heads % tp:
+            p.error(f"--num-heads {args.num_heads} must split over --{what}-tp {tp}")
+    big, small = max(args.prefill_tp, args.decode_tp), min(args.prefill_tp, args.decode_tp)
+    if big % small:
+        p.error("the larger TP size must be a multiple of the smaller one")
+    return args
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    pump: threading.Thread | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def _pump(proc: Proc, stream: IO[bytes], quiet: bool) -> None:
+    with proc.log_path.open("ab") as log:
+        for raw in iter(stream.readline, b""):
+            log.write(raw)
+            line = raw.decode(errors="replace").rstrip()
+            proc.lines.append(line)
+            interesting = "[prefill " in line or "[decode " in line
+            if interesting and not quiet:
+                with _PRINT_LOCK:
+                    print(f"  {proc.name:>16} | {line.split('] ', 1)[-1]}", flush=True)
+
+
+def spawn(name: str, cmd: list[str], workdir: Path, quiet: bool) -> Proc:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    popen = subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    proc = Proc(name, popen, workdir / f"{name}.log")
+    assert popen.stdout is not None
+    proc.pump = threading.Thread(target=_pump, args=(proc, popen.stdout, quiet), daemon=True)
+    proc.pump.start()
+    return proc
+
+
+def stop(proc: Proc, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group (torchrun forwards it to its workers), then SIGKILL."""
+    if proc.popen.poll() is None:
+        try:
+            os.killpg(proc.popen.pid, 15)
+            proc.popen.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.popen.pid, 9)
+            proc.popen.wait(timeout=5)
+    if proc.pump is not None:
+        proc.pump.join(timeout=5)
+
+
+def wait_all(procs: list[Proc], deadline: float) -> bool:
+    while any(p.popen.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    for p in procs:
+        if p.pump is not None:
+            p.pump.join(timeout=5)
+    return True
+
+
+def start_registry(workdir: Path, quiet: bool, deadline: float) -> tuple[Proc, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--store",
+        f"sqlite:///{workdir / 'registry.db'}",
+    ]
+    proc = spawn("registry", cmd, workdir, quiet=True)
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"registry exited with {proc.popen.returncode}: {proc.lines[-5:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop(proc)
+    raise TimeoutError("registry did not come up")
+
+
+def torchrun_cmds(
+    role: str, tp: int, nodes: int, worker_args: list[str]
+) -> list[tuple[str, list[str]]]:
+    port = free_port()
+    out = []
+    for node in range(nodes):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nodes),
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--nproc-per-node",
+            str(tp // nodes),
+            "-m",
+            f"workers.{role}",
+            *worker_args,
+        ]
+        out.append((f"{role}-node{node}", cmd))
+    return out
+
+
+def load_reports(report_dir: Path, role: str) -> list[dict[str, Any]]:
+    reports = [json.loads(p.read_text()) for p in sorted(report_dir.glob(f"{role}-*.json"))]
+    return sorted(reports, key=lambda r: int(r["rank"]))
+
+
+def summarize(args: argparse.Namespace, report_dir: Path, codes: dict[str, int | None]) -> bool:
+    prefill = load_reports(report_dir, "prefill")
+    decode = load_reports(report_dir, "decode")
+    print("\n==== summary ====", flush=True)
+    print(
+        f"prefill TP {args.prefill_tp} over {args.prefill_nodes} node(s); "
+        f"decode TP {args.decode_tp} over {args.decode_nodes} node(s)"
+    )
+    for r in prefill:
+        print(
+            f"  prefill rank {r['rank']} node {r.get('node')}: engine_id "
+            f"{r.get('engine_id', '-')} (gen {r.get('generation', '-')}) status "
+            f"{r.get('status')}"
+        )
+    prefill_ids = {r.get("engine_id") for r in prefill}
+    if len(prefill_ids) > 1:
+        print(f"  !! the prefill ranks hold {len(prefill_ids)} different engine_ids: the bug")
+    for error in dict.fromkeys(str(r["error"]) for r in prefill if r.get("error")):
+        ranks = [r["rank"] for r in prefill if r.get("error") == error]
+        print(f"  prefill ranks {ranks} report: {error}")
+    total_bytes, steady_bytes, steady_s, ok = 0, 0, 0.0, bool(decode)
+    for r in decode:
+        rounds = r.get("rounds", [])
+        hs = rounds[0]["handshake_s"] * 1000 if rounds else float("nan")
+        moved = sum(x["bytes"] for x in rounds)
+        verified = sum(x["verified_bytes"] for x in rounds)
+        total_bytes += moved
+        for x in rounds[1:] or rounds:
+            steady_bytes += x["bytes"]
+            steady_s += x["transfer_s"]
+        good = r.get("status") == "done" and len(rounds) >= args.rounds and verified == moved
+        ok = ok and good
+        print(
+            f"  decode rank {r['rank']}: engine_id {r.get('engine_id')} reads from "
+            f"{sorted({e for x in rounds for e in [x['engine_id']]})} ranks "
+            f"{rounds[0]['targets'] if rounds else '-'}: handshake {hs:.1f} ms, "
+            f"{len(rounds)} rounds, {moved} bytes, {verified} verified, status "
+            f"{r.get('status')}"
+        )
+    print(f"  exit codes: {codes}")
+    if decode:
+        rate = steady_bytes / steady_s / 1e6 if steady_s else 0.0
+        print(
+            f"  bytes moved: {total_bytes} ({total_bytes / 2**20:.1f} MiB) in "
+            f"{sum(len(r.get('rounds', [])) for r in decode)} reads; throughput "
+            f"{rate:.0f} MB/s (per decode rank, warm reads)"
+        )
+    ok = ok and all(c == 0 for c in codes.values())
+    print(f"  RESULT: {'every byte verified' if ok else 'FAILED'}", flush=True)
+    return ok
+
+
+def run(args: argparse.Namespace, workdir: Path) -> int:
+    deadline = time.monotonic() + args.timeout_s
+    report_dir = workdir / "reports"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[Proc] = []
+    try:
+        if args.registry:
+            url = args.registry
+        else:
+            registry, url = start_registry(workdir, args.quiet, deadline)
+            procs.append(registry)
+            say(f"registry serving at {url} (store {workdir / 'registry.db'})")
+        common = [
+            "--registry",
+            url,
+            "--report-dir",
+            str(report_dir),
+            "--num-blocks",
+            str(args.blocks),
+            "--block-size",
+            str(args.block_size),
+            "--num-heads",
+            str(args.num_heads),
+            "--head-size",
+            str(args.head_size),
+            "--num-layers",
+            str(args.num_layers),
+        ]
+        readers = max(1, args.decode_tp // args.prefill_tp) * args.rounds
+        prefill_args = [
+            *common,
+            "--group-id",
+            "demo-prefill",
+            "--exit-after-notifs",
+            str(readers),
+            "--engine-id-source",
+            args.engine_id_source,
+            "--serve-s",
+            str(args.timeout_s),
+        ]
+        workers: list[Proc] = []
+        for name, cmd in torchrun_cmds(
+            "prefill", args.prefill_tp, args.prefill_nodes, prefill_args
+        ):
+            say(
+                f"starting {name}: torchrun ... -m workers.prefill ({args.prefill_tp} ranks "
+                f"over {args.prefill_nodes} node(s))"
+            )
+            workers.append(spawn(name, cmd, workdir, args.quiet))
+        procs.extend(workers)
+        if args.engine_id_source == "local":
+            say("engine ids made up per node (--engine-id-source local): expecting refusal")
+            finished = wait_all(workers, deadline)
+            codes = {p.name: p.popen.returncode for p in workers}
+            summarize(args, report_dir, codes)
+            print(
+                "\nWithout the registry each node would have published its agents under "
+                "its own engine_id, and a decode instance\nhandshaking with the group would "
+                "fail with 'Remote NIXL agent engine ID mismatch'. The registry refused\n"
+                "those ids (engine_id_mismatch, cause 'unknown': it never issued them), so "
+                "no rank served under a made-up id.",
+                flush=True,
+            )
+            if not finished:
+                say("prefill did not stop before the deadline")
+            return 1
+        decode_args = [
+            *common,
+            "--group-id",
+            "demo-decode",
+            "--prefill-group",
+            "demo-prefill",
+            "--rounds",
+            str(args.rounds),
+            "--deadline-s",
+            str(args.timeout_s),
+        ]
+        for name, cmd in torchrun_cmds("decode", args.decode_tp, args.decode_nodes, decode_args):
+            say(f"starting {name}: torchrun ... -m workers.decode ({args.decode_tp} ranks)")
+            workers.append(spawn(name, cmd, workdir, args.quiet))
+            procs.append(workers[-1])
+        if not wait_all(workers, deadline):
+            say(f"deadline of {args.timeout_s:.0f}s passed; stopping everything")
+        codes = {p.name: p.popen.returncode for p in workers}
+        return 0 if summarize(args, report_dir, codes) else 1
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.workdir:
+        workdir = Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        say(f"working directory {workdir}")
+        return run(args, workdir)
+    tmp = Path(tempfile.mkdtemp(prefix="engine-registry-demo-"))
+    try:
+        return run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
