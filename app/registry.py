@@ -265,6 +265,8 @@ class Registry:
                 generation = current.generation + 1
             launch_key = f"launches/{gid}/{req.launch_id}"
             launch = await self.store.get(launch_key)
+            if launch is not None and launch.mod_revision > snap.revision:
+                continue  # a concurrent open wrote it after our read: re-read, maybe it's ours
             if launch is not None:
                 seen = IndexRecord.model_validate_json(launch.value)
                 current_gen = state.engine.generation if state else seen.generation
