@@ -55,6 +55,7 @@ def open_engine(api: httpx.Client, group: str, token: str = WORKER) -> httpx.Res
 def unauthorized(resp: httpx.Response) -> None:
     problem(resp, 401, "unauthorized")
     assert resp.headers["www-authenticate"].startswith("Bearer")
+    assert resp.headers["x-request-id"]
 
 
 def test_a_request_without_a_token_is_401_with_www_authenticate(api: httpx.Client) -> None:
