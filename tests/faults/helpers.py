@@ -41,7 +41,9 @@ def write_recovery() -> Path | None:
     return path
 
 
-def open_body(launch_id: str | None = None, tp_size: int = 1, role: str = "prefill") -> dict[str, Any]:
+def open_body(
+    launch_id: str | None = None, tp_size: int = 1, role: str = "prefill"
+) -> dict[str, Any]:
     return {"launch_id": launch_id or uuid.uuid4().hex, "tp_size": tp_size, "role": role}
 
 
@@ -150,3 +152,57 @@ def wait_until(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> flo
             return time.monotonic() - t0
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+@dataclass
+class Storm:
+    """Launch storms: each group's rank 0 relaunches ``launches`` times, one after another,
+    over a failover client; every answer is kept to check that none is lost."""
+
+    client: FailoverClient
+    groups: list[str]
+    launches: int
+    answered: list[tuple[str, str, str, int]] = field(default_factory=list)
+    failed_over: list[Answer] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    async def _group(self, index: int, gid: str) -> None:
+        for _ in range(self.launches):
+            launch_id = uuid.uuid4().hex
+            answer = await self.client.request(
+                "PUT", f"/tp-groups/{gid}/engine", start=index, json=open_body(launch_id)
+            )
+            body = answer.response.json()
+            if answer.response.status_code not in (200, 201) or body["launch_id"] != launch_id:
+                self.errors.append(f"{gid}: {answer.response.status_code} {body}")
+                return
+            self.answered.append((gid, launch_id, body["engine_id"], body["generation"]))
+            if answer.failures:
+                self.failed_over.append(answer)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._group(i, g) for i, g in enumerate(self.groups)))
+
+    async def wait_answered(self, count: int, timeout_s: float = 30.0) -> None:
+        t0 = time.monotonic()
+        while len(self.answered) < count:
+            assert time.monotonic() - t0 < timeout_s, f"only {len(self.answered)} answered"
+            await asyncio.sleep(0.01)
+
+
+def verify_nothing_lost(url: str, storm: Storm) -> None:
+    """Every answered engine is still known: the last of each group is current (200), each
+    earlier one answers 410 naming it; generations ran 1, 2, … with no gap."""
+    assert not storm.errors, storm.errors[:5]
+    with httpx.Client(base_url=url, timeout=15) as http:
+        for gid in storm.groups:
+            mine = [a for a in storm.answered if a[0] == gid]
+            assert [a[3] for a in mine] == list(range(1, storm.launches + 1)), mine
+            current = http.get(f"/tp-groups/{gid}/engine")
+            assert current.status_code == 200, current.text
+            assert current.json()["engine_id"] == mine[-1][2]
+            for _, _, engine_id, _ in mine[:-1]:
+                old = http.get(f"/engines/{engine_id}")
+                assert old.status_code == 410, old.text
+                assert old.json()["current_engine_id"] == mine[-1][2]
+            assert http.get(f"/engines/{mine[-1][2]}").status_code == 200

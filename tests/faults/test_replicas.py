@@ -23,9 +23,10 @@ pytestmark = [pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 @pytest.fixture(scope="module")
 def three_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RegistryProcess]]:
     root: Path = tmp_path_factory.mktemp("replicas")
-    with EtcdCluster(root / "etcd", size=1) as cluster, replicas(
-        cluster.url("replicas"), 3, root
-    ) as procs:
+    with (
+        EtcdCluster(root / "etcd", size=1) as cluster,
+        replicas(cluster.url("replicas"), 3, root) as procs,
+    ):
         yield procs
 
 
