@@ -1,0 +1,110 @@
+"""The engine_id a TP group spanning two torchrun "nodes" agrees on, and how it fails.
+
+Every failure is group-wide: each rank ends with the same verdict naming the failing rank
+and the cause, and no rank is left waiting in a collective (every launch exits in time).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.workers_support import launched, logs, reports, start_group, wait_all
+
+pytest_plugins = ["tests.e2e.conftest_workers"]
+pytestmark = pytest.mark.timeout(120)
+
+PREFILL_ARGS = ["--serve-s", "30", "--exit-after-notifs", "1"]
+
+
+def run_failing_prefill(
+    tmp_path: Path,
+    *,
+    group_id: str | list[str],
+    registry: str | list[str],
+    args: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """A prefill group of two ranks on two nodes that must fail; every rank's report."""
+    prefill = start_group(
+        "prefill", tmp_path, group_id=group_id, registry=registry, tp=2, nodes=2,
+        args=[*PREFILL_ARGS, *args],
+    )  # fmt: skip
+    with launched(prefill):
+        codes = wait_all(prefill, 90)
+    assert all(code != 0 for code in codes), logs(prefill)
+    found = reports(tmp_path, "prefill", "*")
+    assert [r["rank"] for r in found] == [0, 1], logs(prefill)
+    return found
+
+
+def agent_ranks(url: str, group_id: str) -> list[int]:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        engine = http.get(f"/tp-groups/{group_id}/engine").json()
+    return list(engine["registered_ranks"])
+
+
+def test_bug_reproduced_each_node_makes_up_its_own_engine_id_and_the_registry_refuses_them(
+    tmp_path: Path, registry: str
+) -> None:
+    found = run_failing_prefill(
+        tmp_path, group_id="pf", registry=registry, args=("--engine-id-source", "local")
+    )
+
+    node_ids = [r["engine_id"] for r in found]
+    assert node_ids[0] != node_ids[1], "each node made up its own id: the original bug"
+    for r in found:
+        assert r["status"] == "refused"
+        assert r["causes"] == {"0": "registry_refused:unknown", "1": "registry_refused:unknown"}
+        assert "never issued" in r["error"]
+    assert agent_ranks(registry, "pf") == []
+
+
+def test_nodes_pointed_at_different_registries_fail_the_cross_verify_on_every_rank(
+    tmp_path: Path, registry: str, other_registry: str
+) -> None:
+    found = run_failing_prefill(tmp_path, group_id="pf", registry=[registry, other_registry])
+
+    for r in found:
+        assert r["status"] == "identity_failed"
+        assert r["causes"] == {"1": "different_registry"}
+        assert other_registry in r["error"]
+        assert "never issued" in r["error"]
+    assert agent_ranks(registry, "pf") == []
+
+
+def test_a_group_id_differing_on_one_node_fails_the_cross_verify_on_every_rank(
+    tmp_path: Path, registry: str
+) -> None:
+    found = run_failing_prefill(tmp_path, group_id=["pf", "pf-typo"], registry=registry)
+
+    for r in found:
+        assert r["status"] == "identity_failed"
+        assert r["causes"] == {"1": "different_group"}
+        assert "'pf-typo'" in r["error"]
+    assert agent_ranks(registry, "pf") == []
+
+
+def test_a_group_on_two_nodes_agrees_on_the_registry_issued_engine_id(
+    tmp_path: Path, registry: str
+) -> None:
+    prefill = start_group(
+        "prefill", tmp_path, group_id="pf", registry=registry, tp=2, nodes=2,
+        args=["--serve-s", "60"],
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    with launched(prefill), httpx.Client(base_url=registry, timeout=70) as http:
+        while (
+            answer := http.get("/tp-groups/pf/engine", params={"wait_ready": 30})
+        ).status_code == 404:
+            assert time.monotonic() < deadline, logs(prefill)
+            time.sleep(0.2)
+        engine = answer.json()
+        assert engine["ready"], logs(prefill)
+        assert engine["registered_ranks"] == [0, 1]
+        found = reports(tmp_path, "prefill", "pf")
+    assert {r["engine_id"] for r in found} == {engine["engine_id"]}
+    assert [r["node"] for r in found] == [0, 1]
