@@ -1,0 +1,108 @@
+"""The workers' client against a real registry process over real HTTP: the whole contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers import errors
+from workers.client import RegistryClient
+from workers.models import Compat, KvSpec
+
+pytest_plugins = ["tests.e2e.conftest_workers"]
+pytestmark = pytest.mark.timeout(60)
+
+KV = KvSpec("DRAM", 0, [1 << 20, 2 << 20], 8, 512, 2)
+COMPAT: Compat = {"model": "m", "block_size": 4, "dtype": "float16"}
+
+
+def register(client: RegistryClient, group: str, rank: int, engine_id: str) -> bool:
+    _, created = client.register_agent(
+        group, rank, engine_id=engine_id, agent_name=f"{engine_id}-rank{rank}",
+        agent_metadata=b"md%d" % rank, host="127.0.0.1", kv=KV, ttl_s=30,
+    )  # fmt: skip
+    return created
+
+
+def test_the_client_walks_the_whole_contract_against_a_real_registry(registry: str) -> None:
+    with RegistryClient(registry, timeout_s=10) as client:
+        assert client.healthz()
+        assert client.readyz()
+        engine, created = client.open_engine(
+            "pf", launch_id="l1", tp_size=2, role="prefill", compat=COMPAT
+        )
+        assert created
+        assert engine.generation == 1
+        again, created_again = client.open_engine(
+            "pf", launch_id="l1", tp_size=2, role="prefill", compat=COMPAT
+        )
+        assert (again.engine_id, created_again) == (engine.engine_id, False)
+        with pytest.raises(errors.GroupConflict):
+            client.open_engine("pf", launch_id="l1", tp_size=4, role="prefill")
+
+        assert register(client, "pf", 0, engine.engine_id)
+        assert not register(client, "pf", 0, engine.engine_id)
+        with pytest.raises(errors.NotReady) as not_ready:
+            client.handshake(engine.engine_id, tp_size=1, rank=0, timeout_s=0.5)
+        assert not_ready.value.missing_ranks == [1]
+        register(client, "pf", 1, engine.engine_id)
+        assert client.get_engine("pf", wait_ready_s=1).ready
+        assert client.heartbeat("pf", 1, engine_id=engine.engine_id)
+
+        plan = client.handshake(engine.engine_id, tp_size=1, rank=0, compat=COMPAT)
+        assert (plan.tp_ratio, [t.rank for t in plan.targets]) == (-2, [0, 1])
+        assert plan.targets[1].agent_metadata == b"md1"
+        assert plan.targets[1].kv == KV
+        wider = client.handshake(engine.engine_id, tp_size=4, rank=3)
+        assert (wider.tp_ratio, [t.rank for t in wider.targets]) == (2, [1])
+        with pytest.raises(errors.Incompatible) as incompatible:
+            client.handshake(engine.engine_id, tp_size=2, rank=0, compat={"block_size": 16})
+        assert incompatible.value.mismatches[0]["field"] == "block_size"
+        with pytest.raises(errors.InvalidRequest):
+            client.handshake(engine.engine_id, tp_size=3, rank=0)
+
+        newer, _ = client.open_engine("pf", launch_id="l2", tp_size=2, role="prefill")
+        assert newer.generation == 2
+        with pytest.raises(errors.EngineSuperseded) as gone:
+            client.resolve_engine(engine.engine_id)
+        assert gone.value.current_engine_id == newer.engine_id
+        with pytest.raises(errors.EngineIdMismatch) as stale:
+            client.heartbeat("pf", 0, engine_id=engine.engine_id)
+        assert stale.value.cause == "superseded"
+        with pytest.raises(errors.LaunchSuperseded):
+            client.open_engine("pf", launch_id="l1", tp_size=2, role="prefill")
+        with pytest.raises(errors.NotFound):
+            client.heartbeat("pf", 0, engine_id=newer.engine_id)
+
+        register(client, "pf", 0, newer.engine_id)
+        client.deregister_agent("pf", 0, engine_id=newer.engine_id)
+        assert client.resolve_engine(newer.engine_id).registered_ranks == []
+        assert [g.group_id for g in client.list_groups()] == ["pf"]
+        client.delete_group("pf")
+        with pytest.raises(errors.NotFound):
+            client.resolve_engine(newer.engine_id)
+
+
+def test_a_dead_replica_first_in_the_list_costs_one_failed_connect(registry: str) -> None:
+    from tests.e2e.workers_support import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with RegistryClient([dead, registry], timeout_s=10) as client:
+        engine, _ = client.open_engine("g", launch_id="x", tp_size=1, role="both")
+        assert client.url == registry
+        assert client.resolve_engine(engine.engine_id).group_id == "g"
+
+
+def test_engine_ids_cause_mismatch_with_the_cause_the_registry_names(
+    registry: str, other_registry: str
+) -> None:
+    with RegistryClient(registry) as here, RegistryClient(other_registry) as there:
+        mine, _ = here.open_engine("a", launch_id="1", tp_size=1, role="prefill")
+        other, _ = here.open_engine("b", launch_id="1", tp_size=1, role="prefill")
+        foreign, _ = there.open_engine("a", launch_id="1", tp_size=1, role="prefill")
+        with pytest.raises(errors.EngineIdMismatch) as other_group:
+            register(here, "a", 0, other.engine_id)
+        assert other_group.value.cause == "other_group"
+        with pytest.raises(errors.EngineIdMismatch) as unknown:
+            register(here, "a", 0, foreign.engine_id)
+        assert unknown.value.cause == "unknown"
+        assert register(here, "a", 0, mine.engine_id)
