@@ -164,6 +164,7 @@ class Storm:
     launches: int
     answered: list[tuple[str, str, str, int]] = field(default_factory=list)
     failed_over: list[Answer] = field(default_factory=list)
+    timings: list[Answer] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     async def _group(self, index: int, gid: str) -> None:
@@ -177,6 +178,7 @@ class Storm:
                 self.errors.append(f"{gid}: {answer.response.status_code} {body}")
                 return
             self.answered.append((gid, launch_id, body["engine_id"], body["generation"]))
+            self.timings.append(answer)
             if answer.failures:
                 self.failed_over.append(answer)
 

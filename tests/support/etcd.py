@@ -7,6 +7,7 @@ restarted on the same data, so tests can take a cluster below quorum and back.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import httpx
 from tests.support.server import free_port
 
 ETCD_BIN = os.environ.get("ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
+ETCDCTL_BIN = shutil.which("etcdctl") or "/usr/bin/etcdctl"
 SKIP_REASON = (
     "the etcd binary is not installed (apt-get install etcd-server, or set ETCD_BIN): "
     "the etcd store and its fault tests need a real etcd"
@@ -93,8 +95,16 @@ class EtcdCluster:
 
     def __init__(self, root: Path, size: int = 1) -> None:
         root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.size = size
+        self.members: list[EtcdMember] = []
+        self._layout()
+
+    def _layout(self) -> None:
+        """Fresh ports, names and data dirs for a new cluster."""
         token = f"test-{os.getpid()}-{time.monotonic_ns()}"
-        self.members = [EtcdMember(f"m{i}", root, token) for i in range(size)]
+        attempt = time.monotonic_ns() % 1_000_000
+        self.members = [EtcdMember(f"m{i}-{attempt}", self.root, token) for i in range(self.size)]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.initial_cluster = initial
@@ -107,9 +117,19 @@ class EtcdCluster:
         return f"etcd://{','.join(self.endpoints)}/{prefix}"
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
-        for m in self.members:
-            m.start()
-        self.wait_healthy(timeout_s)
+        # A free port can be taken by someone else between our probe and etcd's bind: then
+        # a member exits at once, and a fresh layout (new ports, new data) is tried.
+        for attempt in range(3):
+            for m in self.members:
+                m.start()
+            try:
+                self.wait_healthy(timeout_s)
+                return self
+            except RuntimeError:
+                self.stop()
+                if attempt == 2:
+                    raise
+                self._layout()
         return self
 
     def wait_healthy(self, timeout_s: float = 30.0, members: list[int] | None = None) -> float:
@@ -119,11 +139,27 @@ class EtcdCluster:
         while time.monotonic() - t0 < timeout_s:
             for m in chosen:
                 if not m.alive():
-                    raise RuntimeError(f"etcd member {m.name} exited; see {m.log_path}")
+                    tail = m.log_path.read_text(errors="replace")[-800:]
+                    raise RuntimeError(f"etcd member {m.name} exited ({m.log_path}): {tail}")
             if all(m.healthy() for m in chosen):
                 return time.monotonic() - t0
             time.sleep(0.1)
         raise TimeoutError(f"etcd members not healthy within {timeout_s} s")
+
+    def leader_index(self) -> int:
+        """The index of the member that leads now (asks the live members with etcdctl)."""
+        live = [m for m in self.members if m.alive()]
+        out = subprocess.run(
+            [ETCDCTL_BIN, "--endpoints", ",".join(m.endpoint for m in live),
+             "endpoint", "status", "-w", "json", "--command-timeout=5s"],
+            capture_output=True, timeout=15, check=True, env={**os.environ, "ETCDCTL_API": "3"},
+        ).stdout  # fmt: skip
+        statuses = json.loads(out)
+        leader = statuses[0]["Status"]["leader"]
+        for status in statuses:
+            if status["Status"]["header"]["member_id"] == leader:
+                return self.endpoints.index(status["Endpoint"])
+        raise RuntimeError(f"no live member leads: {statuses}")
 
     def kill(self, index: int) -> None:
         self.members[index].kill()
