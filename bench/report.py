@@ -1,0 +1,200 @@
+"""The markdown table of ``bench/results/latest.md``, with each figure against its target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+OPS = ("open", "get_engine", "register", "heartbeat", "handshake", "wait_ready")
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _ops(row: dict[str, Any], op: str) -> str:
+    s = row["ops"].get(op)
+    return "-" if not s else f"{s['p50_ms']:.1f} / {s['p99_ms']:.1f}"
+
+
+def _machine(info: dict[str, Any]) -> list[str]:
+    v = info["versions"]
+    return [
+        f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
+        f"{info['os']}; Python {info['python']}; commit {info['git']}.",
+        "",
+        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val != "-") + ".",
+        "",
+    ]
+
+
+def _storm(s: dict[str, Any]) -> list[str]:
+    lines = [
+        f"### Launch storm (TP {s['tp']}, half prefill / half decode groups, heartbeats every "
+        f"{s['heartbeat_s']} s; p50 / p99 ms per operation, client-side)",
+        "",
+        "| system | ranks | ready (s) | ranks/s to ready | all handshakes (s) | req/s | "
+        + " | ".join(OPS)
+        + " | errors |",
+        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(OPS) + "---|",
+    ]
+    names = {
+        "registry_sqlite": "registry, SQLite",
+        "registry_etcd": "registry, etcd",
+        "etcd_direct": "etcd direct (aetcd)",
+    }
+    for key, label in names.items():
+        for n, row in s.get(key, {}).items():
+            errors = ", ".join(f"{k}: {v}" for k, v in row["errors"].items()) or "none"
+            lines.append(
+                f"| {label} | {int(n):,} | {row['ready_s']:.2f} | {row['ranks_per_s']:,.0f} | "
+                f"{row['handshakes_done_s']:.2f} | {row['requests_per_s']:,.0f} | "
+                + " | ".join(_ops(row, op) for op in OPS)
+                + f" | {errors} |"
+            )
+    lines += [
+        "",
+        "etcd direct: `lease grant` + `put` per agent (the register column shows the put; "
+        "`lease_grant` p50/p99 is in the JSON), `get` per engine fetch and per handshake, "
+        "`lease refresh` per heartbeat; readiness is signalled in-process for free, nothing is "
+        "checked (no engine identity, no compat, no fencing of old launches).",
+        "",
+    ]
+    for note in s.get("notes", []):
+        lines.append(f"Note: {note}.")
+    c = s.get("ceilings", {})
+    if c:
+        raw, fa = c["raw"], c["fastapi"]
+        lines += [
+            "",
+            "### Ceilings (same uvicorn settings, concurrency 64)",
+            "",
+            "| server | request | aiohttp req/s | aiohttp p50 / p99 ms | wrk req/s |",
+            "|---|---|---:|---:|---:|",
+            f"| bare ASGI (client ceiling) | GET | {raw['get_aiohttp']['requests_per_s']:,.0f} | "
+            f"{raw['get_aiohttp']['p50_ms']:.1f} / {raw['get_aiohttp']['p99_ms']:.1f} | "
+            f"{raw['get_wrk_rps']:,.0f} |",
+            f"| minimal FastAPI | GET | {fa['get_aiohttp']['requests_per_s']:,.0f} | "
+            f"{fa['get_aiohttp']['p50_ms']:.1f} / {fa['get_aiohttp']['p99_ms']:.1f} | "
+            f"{fa['get_wrk_rps']:,.0f} |",
+            f"| minimal FastAPI | PUT agent body (~{c.get('put_body_kib', '?')} KiB) | "
+            f"{fa['put_aiohttp']['requests_per_s']:,.0f} | "
+            f"{fa['put_aiohttp']['p50_ms']:.1f} / {fa['put_aiohttp']['p99_ms']:.1f} | "
+            f"{fa['put_wrk_rps']:,.0f} |",
+            "",
+        ]
+    return lines
+
+
+def _handshake(h: dict[str, Any]) -> list[str]:
+    lines = [
+        f"### Handshake (prefill TP {h['prefill_tp']}, real NIXL agents, metadata "
+        f"{min(h['metadata_bytes'])}-{max(h['metadata_bytes'])} B; {h['iterations']} per row; "
+        "ms)",
+        "",
+        "| decode TP | agents loaded | registry p50 / p99 | NIXL add_remote_agent p50 / p99 "
+        "| total p50 / p99 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in h["rows"]:
+        lines.append(
+            f"| {r['decode_tp']} | {r['targets_per_rank']} | "
+            f"{r['registry']['p50_ms']:.2f} / {r['registry']['p99_ms']:.2f} | "
+            f"{r['nixl']['p50_ms']:.2f} / {r['nixl']['p99_ms']:.2f} | "
+            f"{r['total']['p50_ms']:.2f} / {r['total']['p99_ms']:.2f} |"
+        )
+    return [*lines, ""]
+
+
+def _transfer(t: dict[str, Any]) -> list[str]:
+    lines = [
+        f"### Transfer (NIXL READ, DRAM to DRAM between two processes, "
+        f"{t['bytes_per_transfer'] // 2**20} MiB per transfer, UCX_TLS {t['ucx_tls']}; GB/s)",
+        "",
+        "| block | descriptors | READ best | READ median | memcpy | READ / memcpy |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in t["rows"]:
+        b = r["block_bytes"]
+        size = f"{b // 2**20} MiB" if b >= 2**20 else f"{b // 1024} KiB"
+        lines.append(
+            f"| {size} | {r['blocks']:,} | {r['read_gbps_best']:.2f} | "
+            f"{r['read_gbps_median']:.2f} | {r['memcpy_gbps']:.2f} | {r['ratio']:.2f} |"
+        )
+    return [*lines, ""]
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(target, figure, ratio to target, met) for every target the run can judge."""
+    out: list[tuple[str, str, str, bool | None]] = []
+    s = results.get("storm", {})
+    row = s.get("registry_sqlite", {}).get("1024")
+    if row:
+        out.append(
+            ("1,024 ranks ready on SQLite ≤ 2 s", f"{row['ready_s']:.2f} s",
+             f"{2 / row['ready_s']:.2f}x of target", row["ready_s"] <= 2.0)
+        )  # fmt: skip
+        p99 = row["target_ops_p99_ms"]
+        out.append(
+            ("per-op p99 ≤ 50 ms at 1,024 ranks (SQLite)", f"{p99:.1f} ms (worst op)",
+             f"{50 / p99:.2f}x of target", p99 <= 50.0)
+        )  # fmt: skip
+    for n, ours in s.get("registry_sqlite", {}).items():
+        base = s.get("etcd_direct", {}).get(n)
+        if base:
+            ratio = ours["ranks_per_s"] / base["ranks_per_s"]
+            out.append(
+                (f"storm ranks/s ≥ etcd direct ({int(n):,} ranks)",
+                 f"{ours['ranks_per_s']:,.0f} vs {base['ranks_per_s']:,.0f} ranks/s",
+                 f"ratio {ratio:.2f}", ratio >= 1.0)
+            )  # fmt: skip
+    h = results.get("handshake", {})
+    for r in h.get("rows", []):
+        if r["decode_tp"] == 8:
+            p50 = r["registry"]["p50_ms"]
+            out.append(
+                ("handshake plan p50 ≤ 5 ms (decode TP 8 vs prefill TP 8)", f"{p50:.2f} ms",
+                 f"{5 / p50:.2f}x of target", p50 <= 5.0)
+            )  # fmt: skip
+    t = results.get("transfer", {})
+    big = [r for r in t.get("rows", []) if r["block_bytes"] >= 2**20]
+    if big:
+        worst = min(big, key=lambda r: r["ratio"])
+        out.append(
+            ("NIXL READ ≥ 0.8 x memcpy for blocks ≥ 1 MiB",
+             f"worst {worst['ratio']:.2f} ({worst['block_bytes'] // 2**20} MiB blocks)",
+             f"{worst['ratio'] / 0.8:.2f}x of target", worst["ratio"] >= 0.8)
+        )  # fmt: skip
+    return out
+
+
+def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
+    quick = any(r.get("quick") for r in results.values())
+    lines = ["## Benchmarks", ""]
+    if quick:
+        lines += ["**Quick run (smoke-test sizes): not figures to publish.**", ""]
+    lines += _machine(info)
+    busy = {k: r.get("busy_before") for k, r in results.items()}
+    lines += [
+        "Machine busy before each question (other processes): "
+        + ", ".join(f"{k} {v:.0%}" for k, v in busy.items() if v is not None)
+        + ".",
+        "",
+    ]
+    rows = targets(results)
+    if rows:
+        lines += ["### Against the targets", "", "| target | measured | ratio | met |"]
+        lines += ["|---|---|---|---|"]
+        for name, figure, ratio, met in rows:
+            lines.append(f"| {name} | {figure} | {ratio} | {'yes' if met else 'no'} |")
+        lines.append("")
+    if "storm" in results:
+        lines += _storm(results["storm"])
+    if "handshake" in results:
+        lines += _handshake(results["handshake"])
+    if "transfer" in results:
+        lines += _transfer(results["transfer"])
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,522 @@
+"""Launch storm: G groups x TP ranks doing the whole protocol at once over real HTTP.
+
+Half the groups are prefill, half decode (TP 8 each, decode group i pairs with prefill group
+i). Every rank is one coroutine of one aiohttp client process (the server runs in its own):
+
+1. rank 0 opens the engine (``PUT /tp-groups/{g}/engine``); the other ranks wait for its
+   broadcast (an in-process event, as torch.distributed would carry it), then fetch and
+   cross-verify the engine (``GET /tp-groups/{g}/engine``);
+2. every rank registers its agent (``PUT …/agents/{rank}``) with a metadata blob of 4 KiB to
+   256 KiB (log-uniform, fixed seed) and starts heartbeating (every ``HEARTBEAT_S``);
+3. every decode rank resolves its prefill group (``GET …/engine?wait_ready=30``, held until
+   ready) and asks for its handshake plan (``POST /engines/{id}/handshake``).
+
+The storm is over when every handshake has answered 200. "Ranks/s to ready" counts every
+rank over the time until the last group became ready (its last registration answered).
+
+Baselines in the same run:
+
+- **etcd direct** (aetcd, a gRPC client, the one the etcd store uses): rank 0 puts the engine
+  key, the others get it; every rank grants a lease and puts its blob on it; heartbeats renew
+  the lease; every decode rank gets its target blob once the prefill group is complete, the
+  readiness signalled in-process for free (what NIXL's etcd metadata exchange does: put per
+  agent, get per handshake, nothing checked);
+- **ceilings**: a bare ASGI app (the aiohttp client's own ceiling) and a minimal FastAPI app,
+  both under the registry's uvicorn settings, loaded with aiohttp and with wrk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.common import HOST, free_port, process, registry_server, say, summary_ms, wait_http
+
+TP = 8
+HEARTBEAT_S = 1.0
+TTL_S = 10
+BLOB_MIN, BLOB_MAX = 4 * 1024, 256 * 1024
+STORM_TIMEOUT_S = 120.0
+COMPAT: dict[str, Any] = {
+    "model": "llama-3-8b",
+    "dtype": "bfloat16",
+    "kv_cache_dtype": "auto",
+    "block_size": 16,
+    "num_kv_heads": 8,
+    "head_size": 128,
+    "num_layers": 32,
+    "kv_layout": "HND",
+    "attn_backend": "FLASH_ATTN",
+    "nixl_version": "1.5.1",
+}
+# Operations whose latency the p99 target covers (wait_ready is held on purpose).
+TARGET_OPS = ("open", "get_engine", "register", "heartbeat", "handshake")
+
+
+def blob_sizes(n: int, seed: int = 6) -> list[int]:
+    rng = random.Random(seed)
+    lo, hi = math.log(BLOB_MIN), math.log(BLOB_MAX)
+    return [int(math.exp(rng.uniform(lo, hi))) for _ in range(n)]
+
+
+def make_blobs(n: int) -> list[bytes]:
+    """Distinct pseudo-random blobs (a rank-specific header over shared random bytes)."""
+    pool = random.Random(7).randbytes(BLOB_MAX)
+    return [f"rank{i:06d}".encode() + pool[: s - 10] for i, s in enumerate(blob_sizes(n))]
+
+
+@dataclass
+class Recorder:
+    ops: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requests: int = 0
+
+    async def timed(self, op: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        t = time.perf_counter()
+        result = await call()
+        self.ops[op].append(time.perf_counter() - t)
+        self.requests += 1
+        return result
+
+
+def _groups(ranks: int) -> list[tuple[str, str, int]]:
+    """(group_id, role, pair index) for ranks // TP groups, half prefill, half decode."""
+    pairs = ranks // TP // 2
+    return [(f"prefill-{i}", "prefill", i) for i in range(pairs)] + [
+        (f"decode-{i}", "decode", i) for i in range(pairs)
+    ]
+
+
+# -- the registry over HTTP ----------------------------------------------------------------------
+
+
+class HttpStorm:
+    def __init__(self, url: str, ranks: int, connections: int) -> None:
+        self.url = url
+        self.groups = _groups(ranks)
+        self.ranks = len(self.groups) * TP
+        self.connections = connections
+        self.rec = Recorder()
+        self.blobs = [base64.b64encode(b).decode() for b in make_blobs(self.ranks)]
+        self.opened: dict[str, asyncio.Future[str]] = {}
+        self.registered: dict[str, int] = defaultdict(int)
+        self.ready_at: dict[str, float] = {}
+        self.handshake_done: list[float] = []
+        self.stop = asyncio.Event()
+        self.heartbeats: list[asyncio.Task[None]] = []
+        self.t0 = 0.0
+
+    async def _call(
+        self, s: aiohttp.ClientSession, op: str, method: str, path: str, body: Any = None
+    ) -> tuple[int, Any]:
+        async def go() -> tuple[int, Any]:
+            data = None if body is None else json.dumps(body)
+            headers = {"content-type": "application/json"} if data is not None else None
+            async with s.request(method, self.url + path, data=data, headers=headers) as r:
+                raw = await r.read()
+                return r.status, (json.loads(raw) if raw else None)
+
+        status, answer = await self.rec.timed(op, go)
+        if status >= 400:
+            self.rec.errors[f"{op} {status}"] += 1
+        return status, answer
+
+    async def _heartbeat(
+        self, s: aiohttp.ClientSession, gid: str, rank: int, eid: str, phase: float
+    ) -> None:
+        delay = phase
+        for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
+            try:
+                await asyncio.wait_for(self.stop.wait(), delay)
+                return
+            except TimeoutError:
+                pass
+            await self._call(
+                s, "heartbeat", "POST", f"/tp-groups/{gid}/engine/agents/{rank}/heartbeat",
+                {"engine_id": eid},
+            )  # fmt: skip
+            delay = HEARTBEAT_S
+
+    async def _rank(
+        self, s: aiohttp.ClientSession, index: int, gid: str, role: str, pair: int, rank: int
+    ) -> None:
+        if rank == 0:
+            body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
+            status, engine = await self._call(s, "open", "PUT", f"/tp-groups/{gid}/engine", body)
+            if status not in (200, 201):
+                raise RuntimeError(f"open {gid}: {status} {engine}")
+            self.opened[gid].set_result(engine["engine_id"])
+            eid = engine["engine_id"]
+        else:
+            eid = await self.opened[gid]
+            status, engine = await self._call(s, "get_engine", "GET", f"/tp-groups/{gid}/engine")
+            if status != 200 or engine["engine_id"] != eid:
+                raise RuntimeError(f"fetch {gid}/{rank}: {status} {engine}")
+        agent = {
+            "engine_id": eid,
+            "agent_name": f"{eid}-rank{rank}",
+            "agent_metadata": self.blobs[index],
+            "host": HOST,
+            "kv": {
+                "mem_type": "DRAM", "device_id": 0, "base_addrs": [0x7F0000000000 + (index << 20)],
+                "num_blocks": 1024, "block_len": 65536,
+            },
+            "ttl_s": TTL_S,
+        }  # fmt: skip
+        path = f"/tp-groups/{gid}/engine/agents/{rank}"
+        status, answer = await self._call(s, "register", "PUT", path, agent)
+        if status not in (200, 201):
+            raise RuntimeError(f"register {gid}/{rank}: {status} {answer}")
+        self.registered[gid] += 1
+        if self.registered[gid] == TP:
+            self.ready_at[gid] = time.perf_counter() - self.t0
+        phase = random.Random(index).uniform(0, HEARTBEAT_S)
+        self.heartbeats.append(asyncio.create_task(self._heartbeat(s, gid, rank, eid, phase)))
+        if role != "decode":
+            return
+        prefill = f"prefill-{pair}"
+        remote = ""
+        for _ in range(1000):
+            status, engine = await self._call(
+                s, "wait_ready", "GET", f"/tp-groups/{prefill}/engine?wait_ready=30"
+            )
+            if status == 200 and engine["ready"]:
+                remote = engine["engine_id"]
+                break
+            await asyncio.sleep(0.02)
+        body = {"tp_size": TP, "rank": rank, "compat": COMPAT}
+        for _ in range(1000):
+            status, plan = await self._call(
+                s, "handshake", "POST", f"/engines/{remote}/handshake", body
+            )
+            if status == 200:
+                if plan["targets"][0]["rank"] != rank:
+                    raise RuntimeError(f"bad plan for {gid}/{rank}: {plan['targets'][0]['rank']}")
+                self.handshake_done.append(time.perf_counter() - self.t0)
+                return
+            await asyncio.sleep(0.02)
+        raise RuntimeError(f"handshake {gid}/{rank} never answered 200")
+
+    async def run(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        self.opened = {gid: loop.create_future() for gid, _, _ in self.groups}
+        connector = aiohttp.TCPConnector(limit=self.connections)
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+            # Warm the connection pool's first connection and the server's first request.
+            async with s.get(self.url + "/healthz") as r:
+                await r.read()
+            jobs = [
+                (gid, role, pair, rank) for gid, role, pair in self.groups for rank in range(TP)
+            ]
+            random.Random(1).shuffle(jobs)
+            self.t0 = time.perf_counter()
+            tasks = [self._rank(s, i, *job) for i, job in enumerate(jobs)]
+            try:
+                await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S)
+            finally:
+                done = time.perf_counter() - self.t0
+                self.stop.set()
+                await asyncio.gather(*self.heartbeats, return_exceptions=True)
+        return self._report(done)
+
+    def _report(self, done: float) -> dict[str, Any]:
+        ready = max(self.ready_at.values())
+        return {
+            "ranks": self.ranks,
+            "groups": len(self.groups),
+            "ready_s": round(ready, 3),
+            "ranks_per_s": round(self.ranks / ready, 1),
+            "handshakes_done_s": round(max(self.handshake_done), 3),
+            "total_s": round(done, 3),
+            "requests": self.rec.requests,
+            "requests_per_s": round(self.rec.requests / done, 1),
+            "blob_mib": round(sum(len(b) for b in self.blobs) * 3 / 4 / 2**20, 1),
+            "ops": {op: summary_ms(v) for op, v in self.rec.ops.items()},
+            "target_ops_p99_ms": max(
+                summary_ms(self.rec.ops[op])["p99_ms"] for op in TARGET_OPS if self.rec.ops[op]
+            ),
+            "errors": dict(self.rec.errors),
+        }
+
+
+def http_storm(url: str, ranks: int, connections: int = 512) -> dict[str, Any]:
+    return asyncio.run(HttpStorm(url, ranks, connections).run())
+
+
+# -- etcd direct ---------------------------------------------------------------------------------
+
+
+class EtcdStorm:
+    def __init__(self, endpoint: str, ranks: int, prefix: str) -> None:
+        self.host, port = endpoint.rsplit(":", 1)
+        self.port = int(port)
+        self.prefix = prefix
+        self.groups = _groups(ranks)
+        self.ranks = len(self.groups) * TP
+        self.rec = Recorder()
+        self.blobs = make_blobs(self.ranks)
+        self.opened: dict[str, asyncio.Future[str]] = {}
+        self.complete: dict[str, asyncio.Event] = {}
+        self.registered: dict[str, int] = defaultdict(int)
+        self.ready_at: dict[str, float] = {}
+        self.handshake_done: list[float] = []
+        self.stop = asyncio.Event()
+        self.heartbeats: list[asyncio.Task[None]] = []
+        self.t0 = 0.0
+
+    def _key(self, *parts: object) -> bytes:
+        return "/".join([self.prefix, *map(str, parts)]).encode()
+
+    async def _heartbeat(self, c: Any, lease: Any, phase: float) -> None:
+        delay = phase
+        for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
+            try:
+                await asyncio.wait_for(self.stop.wait(), delay)
+                return
+            except TimeoutError:
+                pass
+            await self.rec.timed("heartbeat", lambda: c.refresh_lease(lease.id))
+            delay = HEARTBEAT_S
+
+    async def _rank(self, c: Any, index: int, gid: str, role: str, pair: int, rank: int) -> None:
+        if rank == 0:
+            eid = str(uuid.uuid4())
+            await self.rec.timed("open", lambda: c.put(self._key(gid, "engine"), eid.encode()))
+            self.opened[gid].set_result(eid)
+        else:
+            eid = await self.opened[gid]
+            got = await self.rec.timed("get_engine", lambda: c.get(self._key(gid, "engine")))
+            if got is None or got.value.decode() != eid:
+                raise RuntimeError(f"etcd fetch {gid}/{rank}: {got}")
+        lease = await self.rec.timed("lease_grant", lambda: c.lease(TTL_S))
+        key = self._key(gid, "agents", rank)
+        await self.rec.timed("register", lambda: c.put(key, self.blobs[index], lease=lease))
+        self.registered[gid] += 1
+        if self.registered[gid] == TP:
+            self.ready_at[gid] = time.perf_counter() - self.t0
+            self.complete[gid].set()
+        phase = random.Random(index).uniform(0, HEARTBEAT_S)
+        self.heartbeats.append(asyncio.create_task(self._heartbeat(c, lease, phase)))
+        if role != "decode":
+            return
+        prefill = f"prefill-{pair}"
+        await self.complete[prefill].wait()
+        got = await self.rec.timed("handshake", lambda: c.get(self._key(prefill, "agents", rank)))
+        if got is None:
+            raise RuntimeError(f"etcd handshake {gid}/{rank}: no blob")
+        self.handshake_done.append(time.perf_counter() - self.t0)
+
+    async def run(self) -> dict[str, Any]:
+        import aetcd
+
+        loop = asyncio.get_running_loop()
+        self.opened = {gid: loop.create_future() for gid, _, _ in self.groups}
+        self.complete = {gid: asyncio.Event() for gid, _, _ in self.groups}
+        async with aetcd.Client(host=self.host, port=self.port, timeout=60) as c:
+            await c.get(self._key("warmup"))
+            jobs = [
+                (gid, role, pair, rank) for gid, role, pair in self.groups for rank in range(TP)
+            ]
+            random.Random(1).shuffle(jobs)
+            self.t0 = time.perf_counter()
+            tasks = [self._rank(c, i, *job) for i, job in enumerate(jobs)]
+            try:
+                await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S)
+            finally:
+                done = time.perf_counter() - self.t0
+                self.stop.set()
+                await asyncio.gather(*self.heartbeats, return_exceptions=True)
+        ready = max(self.ready_at.values())
+        return {
+            "ranks": self.ranks,
+            "groups": len(self.groups),
+            "ready_s": round(ready, 3),
+            "ranks_per_s": round(self.ranks / ready, 1),
+            "handshakes_done_s": round(max(self.handshake_done), 3),
+            "total_s": round(done, 3),
+            "requests": self.rec.requests,
+            "requests_per_s": round(self.rec.requests / done, 1),
+            "ops": {op: summary_ms(v) for op, v in self.rec.ops.items()},
+            "target_ops_p99_ms": max(
+                summary_ms(self.rec.ops[op])["p99_ms"] for op in TARGET_OPS if self.rec.ops[op]
+            ),
+            "errors": dict(self.rec.errors),
+        }
+
+
+def etcd_storm(endpoint: str, ranks: int) -> dict[str, Any]:
+    return asyncio.run(EtcdStorm(endpoint, ranks, f"/bench-{uuid.uuid4().hex[:8]}").run())
+
+
+# -- ceilings ------------------------------------------------------------------------------------
+
+
+async def _closed_loop(
+    url: str, method: str, body: str | None, concurrency: int, seconds: float
+) -> dict[str, Any]:
+    latencies: list[float] = []
+    headers = {"content-type": "application/json"} if body else None
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        end = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            for _ in range(10_000_000):
+                if time.perf_counter() >= end:
+                    return
+                t = time.perf_counter()
+                async with s.request(method, url, data=body, headers=headers) as r:
+                    await r.read()
+                    if r.status >= 400:
+                        raise RuntimeError(f"{method} {url}: {r.status}")
+                latencies.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return {"requests_per_s": round(len(latencies) / elapsed, 1), **summary_ms(latencies)}
+
+
+def aiohttp_rate(
+    url: str,
+    method: str = "GET",
+    body: str | None = None,
+    concurrency: int = 64,
+    seconds: float = 3,
+) -> dict[str, Any]:
+    return asyncio.run(_closed_loop(url, method, body, concurrency, seconds))
+
+
+def wrk_rate(url: str, seconds: int, connections: int = 64, script: str | None = None) -> float:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency"]
+    if script:
+        cmd += ["-s", script]
+    out = subprocess.run(
+        [*cmd, url], capture_output=True, text=True, timeout=seconds + 30, check=True
+    ).stdout
+    found = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if found is None:
+        raise RuntimeError(f"wrk printed no rate: {out}")
+    return float(found.group(1))
+
+
+def _register_body() -> str:
+    # The storm's median blob (log-uniform 4-256 KiB: about 32 KiB).
+    blobs = sorted(make_blobs(101), key=len)
+    blob = base64.b64encode(blobs[50]).decode()
+    return json.dumps(
+        {
+            "engine_id": "e", "agent_name": "a", "agent_metadata": blob, "host": HOST,
+            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
+                   "block_len": 1},
+        }
+    )  # fmt: skip
+
+
+def ceilings(quick: bool) -> dict[str, Any]:
+    seconds = 2 if quick else 5
+    out: dict[str, Any] = {}
+    body = _register_body()
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "put.lua"
+        script.write_text(
+            'wrk.method = "PUT"\nwrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = {json.dumps(body)}\n"
+        )
+        for kind in ("raw", "fastapi"):
+            port = free_port()
+            cmd = [sys.executable, "-m", "bench.minimal", kind, str(port)]
+            with process(cmd) as proc:
+                base = f"http://{HOST}:{port}"
+                wait_http(f"{base}/ping", 30.0, proc)
+                say(f"  ceiling: {kind} server, GET, aiohttp and wrk")
+                row: dict[str, Any] = {
+                    "get_aiohttp": aiohttp_rate(f"{base}/ping", seconds=seconds),
+                    "get_wrk_rps": wrk_rate(f"{base}/ping", seconds),
+                }
+                if kind == "fastapi":
+                    say("  ceiling: fastapi server, PUT of an agent-sized body")
+                    row["put_aiohttp"] = aiohttp_rate(
+                        f"{base}/agents/1", "PUT", body, seconds=seconds
+                    )
+                    row["put_wrk_rps"] = wrk_rate(f"{base}/agents/1", seconds, script=str(script))
+                out[kind] = row
+    out["put_body_kib"] = round(len(body) / 1024, 1)
+    return out
+
+
+# -- the whole question --------------------------------------------------------------------------
+
+
+def _etcd_rows(sizes: list[int], results: dict[str, Any], tmp: Path, note: list[str]) -> None:
+    from bench.common import etcd_store_available
+    from tests.support.etcd import EtcdCluster, etcd_available
+
+    if not etcd_available():
+        note.append("etcd rows skipped: no etcd binary")
+        return
+    with EtcdCluster(tmp / "etcd", size=1) as cluster:
+        endpoint = cluster.endpoints[0]
+        for n in sizes:
+            say(f"  etcd direct (aetcd), {n} ranks")
+            results["etcd_direct"][str(n)] = etcd_storm(endpoint, n)
+            _show(results["etcd_direct"][str(n)])
+        ok, why = etcd_store_available()
+        if not ok:
+            note.append(f"registry-on-etcd rows skipped: {why}")
+            return
+        for n in sizes:
+            say(f"  registry on etcd, {n} ranks")
+            url = cluster.url(f"bench-{uuid.uuid4().hex[:8]}")
+            with registry_server(url, log=tmp / f"registry-etcd-{n}.log") as http:
+                results["registry_etcd"][str(n)] = http_storm(http, n)
+            _show(results["registry_etcd"][str(n)])
+
+
+def _show(row: dict[str, Any]) -> None:
+    say(
+        f"    ready in {row['ready_s']} s ({row['ranks_per_s']} ranks/s), "
+        f"{row['requests_per_s']} req/s, worst per-op p99 {row['target_ops_p99_ms']} ms, "
+        f"errors {row['errors'] or 'none'}"
+    )
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    sizes = [256] if quick else [256, 1024, 4096]
+    results: dict[str, Any] = {
+        "sizes": sizes,
+        "tp": TP,
+        "heartbeat_s": HEARTBEAT_S,
+        "registry_sqlite": {},
+        "registry_etcd": {},
+        "etcd_direct": {},
+        "notes": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-storm-") as name:
+        tmp = Path(name)
+        for n in sizes:
+            say(f"  registry on SQLite, {n} ranks")
+            store = f"sqlite:///{tmp}/storm-{n}.db"
+            with registry_server(store, log=tmp / f"registry-sqlite-{n}.log") as url:
+                results["registry_sqlite"][str(n)] = http_storm(url, n)
+            _show(results["registry_sqlite"][str(n)])
+        _etcd_rows(sizes, results, tmp, results["notes"])
+    results["ceilings"] = ceilings(quick)
+    return results
