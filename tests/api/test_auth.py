@@ -232,6 +232,26 @@ def test_a_tokens_file_with_a_short_token_refuses_to_start(tmp_path: Path) -> No
     assert "short-secret" not in done.stderr
 
 
+def test_a_tokens_file_with_an_unknown_role_refuses_to_start_without_echoing_the_token(
+    tmp_path: Path,
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"reader:{READER}\nsuperuser:{ADMIN}\n")
+    done = subprocess.run(
+        serve_cmd(tmp_path, "127.0.0.1", free_port(), "--tokens-file", str(tokens)),
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "line 2" in done.stderr, done.stderr
+    assert ADMIN not in done.stderr
+    assert READER not in done.stderr
+
+
 def test_serving_off_loopback_with_insecure_starts(tmp_path: Path) -> None:
     port = free_port("0.0.0.0")
     log = tmp_path / "insecure.log"
