@@ -123,6 +123,14 @@ def test_register_with_rank_at_or_above_tp_size_is_422(
         assert any("rank" in e["loc"] for e in errors), errors
 
 
+def test_heartbeat_and_delete_with_rank_at_or_above_tp_size_are_422(
+    api: httpx.Client, reg: Api, gid: str
+) -> None:
+    engine = reg.open(gid, tp_size=2)
+    invalid(heartbeat(api, gid, 2, engine["engine_id"]))
+    invalid(api.delete(agent_url(gid, 2), params={"engine_id": engine["engine_id"]}))
+
+
 @pytest.mark.parametrize("rank", ["-1", "x", "1.5", "65536"])
 def test_register_with_a_malformed_rank_is_422(
     api: httpx.Client, reg: Api, gid: str, rank: str

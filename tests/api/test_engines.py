@@ -272,7 +272,7 @@ def test_wait_ready_answers_not_ready_after_the_wait(reg: Api, api: httpx.Client
     assert resp.status_code == 200, resp.text
     assert resp.json()["ready"] is False
     assert resp.json()["missing_ranks"] == [0, 1]
-    assert 1.4 <= elapsed < 3.5, elapsed
+    assert 1.4 <= elapsed < 4.5, elapsed
 
 
 def test_wait_ready_on_a_ready_engine_answers_at_once(
@@ -281,7 +281,7 @@ def test_wait_ready_on_a_ready_engine_answers_at_once(
     engine = reg.open(gid, tp_size=1)
     reg.register(engine, 0)
     started = time.monotonic()
-    resp = api.get(f"/tp-groups/{gid}/engine", params={"wait_ready": 30})
+    resp = api.get(f"/tp-groups/{gid}/engine", params={"wait_ready": 60})
     assert resp.status_code == 200
     assert resp.json()["ready"] is True
     assert time.monotonic() - started < 2
@@ -293,7 +293,7 @@ def test_wait_ready_zero_answers_at_once(reg: Api, api: httpx.Client, gid: str) 
     resp = api.get(f"/tp-groups/{gid}/engine", params={"wait_ready": 0})
     assert resp.status_code == 200
     assert resp.json()["ready"] is False
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 2
 
 
 @pytest.mark.parametrize("value", ["-1", "60.5", "61", "abc", "nan", "inf", ""])
