@@ -169,7 +169,8 @@ def read_round(
             target.agent_name,
             op.local,
             op.remote,
-            mem_type=target.kv.mem_type,
+            local_mem_type=engines.local.mem_type,
+            remote_mem_type=target.kv.mem_type,
             deadline_s=args.transfer_timeout_s,
         )
     seconds = time.perf_counter() - start

@@ -84,13 +84,18 @@ class NixlEndpoint:
         local: list[tuple[int, int, int]],
         remote: list[tuple[int, int, int]],
         *,
-        mem_type: str,
+        local_mem_type: str,
+        remote_mem_type: str,
         deadline_s: float,
         notif: bytes = b"",
     ) -> None:
-        """READ `remote` descriptors of `remote_name` into `local` ones; wait until done."""
-        local_descs = self.agent.get_xfer_descs(np.array(local, dtype=np.uint64), mem_type)
-        remote_descs = self.agent.get_xfer_descs(np.array(remote, dtype=np.uint64), mem_type)
+        """READ `remote` descriptors of `remote_name` into `local` ones; wait until done.
+
+        Each side has its own memory type (`DRAM`/`VRAM`): a decode on GPUs may read from a
+        prefill that keeps its KV in host memory, and the other way round.
+        """
+        local_descs = self.agent.get_xfer_descs(np.array(local, dtype=np.uint64), local_mem_type)
+        remote_descs = self.agent.get_xfer_descs(np.array(remote, dtype=np.uint64), remote_mem_type)
         try:
             handle = self.agent.initialize_xfer(
                 "READ", local_descs, remote_descs, remote_name, notif

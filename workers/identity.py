@@ -240,16 +240,20 @@ def sync_engine_id(
     src = dist.get_global_rank(group, 0) if group is not None else 0
     payload: list[Any] = [None]
     if rank == 0:
-        payload[0] = _open_as_rank0(
-            client,
-            group_id,
-            tp_size=tp_size,
-            role=role,
-            compat=compat,
-            launch_id=launch_id or uuid.uuid4().hex,
-            allow_fallback=allow_fallback,
-            timeout_s=timeout_s,
-        )
+        try:
+            payload[0] = _open_as_rank0(
+                client,
+                group_id,
+                tp_size=tp_size,
+                role=role,
+                compat=compat,
+                launch_id=launch_id or uuid.uuid4().hex,
+                allow_fallback=allow_fallback,
+                timeout_s=timeout_s,
+            )
+        except Exception as exc:  # never leave the other ranks waiting in the broadcast
+            log.exception("rank 0 could not open the engine")
+            payload[0] = {"ok": False, "cause": OPEN_FAILED, "detail": repr(exc)}
     dist.broadcast_object_list(payload, src=src, group=exchange)
     announced: dict[str, Any] = payload[0]
     if not announced.get("ok"):
@@ -257,11 +261,15 @@ def sync_engine_id(
         identity = None
     else:
         identity = EngineIdentity(**{k: v for k, v in announced.items() if k != "ok"})
-        verdict = (
-            _Verdict(rank, True)
-            if rank == 0
-            else _diagnose(client, group_id, rank, identity, timeout_s)
-        )
+        try:
+            verdict = (
+                _Verdict(rank, True)
+                if rank == 0
+                else _diagnose(client, group_id, rank, identity, timeout_s)
+            )
+        except Exception as exc:  # a verdict, not a lone raise: the others wait in agree()
+            log.exception("rank %d could not check the engine", rank)
+            verdict = _Verdict(rank, False, OPEN_FAILED, repr(exc))
     agree(
         verdict.ok,
         verdict.cause,

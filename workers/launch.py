@@ -203,29 +203,36 @@ def publish(
     kv: KvSpec,
     on_superseded: Callable[[EngineIdMismatch], None],
 ) -> Publication:
-    """Publish this rank's agent; all ranks agree on the outcome before anyone serves."""
+    """Publish this rank's agent; all ranks agree on the outcome before anyone serves.
+
+    Every failure on one rank becomes its verdict, so the others never wait for it alone.
+    """
     hostnames: list[Any] = [None] * info.world
     dist.all_gather_object(hostnames, info.hostname, group=info.cpu_group)
-    host = advertise_host(client.url, args.advertise_host)
-    check_host_for_group(host, [str(h) for h in hostnames])
-    publication = Publication(
-        client_factory(args),
-        identity,
-        info.rank,
-        agent_name=endpoint.name,
-        metadata=endpoint.metadata(),
-        host=host,
-        kv=kv,
-        ttl_s=args.ttl_s,
-        on_superseded=on_superseded,
-    )
+    publication: Publication | None = None
     ok, cause, detail = True, "", ""
     try:
+        host = advertise_host(client.url, args.advertise_host)
+        check_host_for_group(host, [str(h) for h in hostnames])
+        publication = Publication(
+            client_factory(args),
+            identity,
+            info.rank,
+            agent_name=endpoint.name,
+            metadata=endpoint.metadata(),
+            host=host,
+            kv=kv,
+            ttl_s=args.ttl_s,
+            on_superseded=on_superseded,
+        )
         publication.publish()
     except EngineIdMismatch as exc:
         ok, cause, detail = False, f"registry_refused:{exc.cause}", exc.detail or str(exc)
     except (ProblemError, RegistryError) as exc:
         ok, cause, detail = False, "registry_refused", str(exc)
+    except Exception as exc:
+        log.exception("publishing the agent failed")
+        ok, cause, detail = False, "publish_failed", repr(exc)
     try:
         agree(
             ok,
@@ -235,7 +242,9 @@ def publish(
             what=f"agent registration for {args.group_id!r}",
         )
     except EngineIdentityError:
-        publication.close(deregister=ok)
+        if publication is not None:
+            publication.close(deregister=ok)
         raise
+    assert publication is not None
     publication.start()
     return publication

@@ -112,6 +112,10 @@ def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_th
         wait_all(first, 30)  # torchrun itself exits non-zero on SIGTERM; the rank reports
         stopped = read_reports(tmp_path, "prefill", "pf")[0]
         assert stopped["status"] == "done", logs(first)
+        with httpx.Client(base_url=registry, timeout=10) as http:
+            engine = http.get("/tp-groups/pf/engine").json()
+        assert engine["engine_id"] == old_engine
+        assert engine["registered_ranks"] == [], "a clean SIGTERM shutdown deregisters"
 
         second = start_group(
             "prefill", tmp_path, group_id="pf", registry=registry, tp=1,

@@ -47,7 +47,14 @@ def test_a_decode_agent_reads_verifies_and_notifies_a_prefill_agent_over_nixl() 
             tp_ratio=2, targets={0: target.kv}, local_block_ids=[0, 1],
             remote_block_ids=[3, 1],
         )  # fmt: skip
-        decode.read(prefill.name, op.local, op.remote, mem_type="DRAM", deadline_s=10)
+        decode.read(
+            prefill.name,
+            op.local,
+            op.remote,
+            local_mem_type="DRAM",
+            remote_mem_type="DRAM",
+            deadline_s=10,
+        )
         assert verify(buffer, "engine-x", LAYOUT, 2, 1, [3, 1]) == op.nbytes
         decode.notify(prefill.name, b"verified")
         got: dict[str, list[bytes]] = {}
@@ -79,7 +86,7 @@ def test_a_read_from_an_unknown_agent_is_a_transfer_error() -> None:
     try:
         with pytest.raises(TransferError):
             decode.read("nobody", [(buffer.data_ptr(), 8, 0)], [(4096, 8, 0)],
-                        mem_type="DRAM", deadline_s=1)  # fmt: skip
+                        local_mem_type="DRAM", remote_mem_type="DRAM", deadline_s=1)  # fmt: skip
     finally:
         decode.close()
 
