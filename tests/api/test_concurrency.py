@@ -83,7 +83,7 @@ def test_parallel_opens_with_distinct_launch_ids_leave_generations_one_to_fifty(
     listed = [g for g in api.get("/tp-groups").json()["groups"] if g["group_id"] == gid]
     assert [g["engine_id"] for g in listed] == [current["engine_id"]]
     # Exactly one engine resolves as current; every other one is superseded by it.
-    resolved = Counter()
+    resolved: Counter[int] = Counter()
     for engine in engines:
         resp = api.get(f"/engines/{engine['engine_id']}")
         resolved[resp.status_code] += 1
@@ -94,7 +94,7 @@ def test_parallel_opens_with_distinct_launch_ids_leave_generations_one_to_fifty(
             )
     assert resolved == {200: 1, 410: 49}
     # On retry, each launch_id either is the current engine (200) or was superseded (409).
-    retried = Counter()
+    retried: Counter[int] = Counter()
     for engine in engines:
         resp = api.put(
             f"/tp-groups/{gid}/engine",

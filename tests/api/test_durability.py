@@ -87,6 +87,12 @@ def test_answered_engines_and_agents_survive_kill_9(server: RegistryProcess) -> 
             assert again.status_code == 200, again.text
             assert again.json()["engine_id"] == latest["engine_id"]
             checked += 1
+            for rank in current["registered_ranks"]:
+                beat = c.post(
+                    f"/tp-groups/{gid}/engine/agents/{rank}/heartbeat",
+                    json={"engine_id": current["engine_id"]},
+                )
+                assert beat.status_code == 200, beat.text
             if current["ready"]:
                 hs = c.post(
                     f"/engines/{current['engine_id']}/handshake", json={"tp_size": 1, "rank": 0}
