@@ -96,6 +96,14 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             error: RegistryError = NotFound(f"No such path: {request.url.path}")
+        elif exc.status_code == 400:
+            # FastAPI answers 400 when parsing the body fails with anything but a
+            # JSONDecodeError (an integer of more than 4300 digits, say); the contract: 422.
+            why = str(exc.__cause__ or exc.detail)
+            error = InvalidRequest(
+                f"The request body cannot be parsed as JSON: {why}",
+                errors=[{"loc": ["body"], "msg": why, "type": "json_invalid"}],
+            )
         else:
             code = {405: "method_not_allowed"}.get(exc.status_code, "http_error")
             error = HttpProblem(exc.status_code, code, str(exc.detail))
