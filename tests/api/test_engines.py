@@ -215,6 +215,25 @@ def test_open_with_malformed_json_is_422_never_400(api: httpx.Client, gid: str, 
         invalid(resp)
 
 
+def test_a_body_with_an_integer_past_pythons_digit_limit_is_422_never_400(
+    api: httpx.Client, gid: str
+) -> None:
+    # json.loads refuses integers of more than 4300 digits with a ValueError, not a
+    # JSONDecodeError; the answer must still be 422 invalid_request.
+    huge = "9" * 5000
+    bodies = {
+        f"/tp-groups/{gid}/engine": '{"launch_id": "l", "tp_size": %s, "role": "prefill"}',
+        f"/tp-groups/{gid}/engine/agents/0": '{"engine_id": "e", "ttl_s": %s}',
+        f"/tp-groups/{gid}/engine/agents/0/heartbeat": '{"engine_id": %s}',
+        "/engines/e/handshake": '{"tp_size": 1, "rank": %s}',
+    }
+    for path, template in bodies.items():
+        raw = (template % huge).encode()
+        method = "POST" if path.endswith(("heartbeat", "handshake")) else "PUT"
+        errors = invalid(api.request(method, path, content=raw))
+        assert errors[0]["loc"][0] == "body", errors
+
+
 def test_get_engine_of_an_unknown_group_is_404(api: httpx.Client, gid: str) -> None:
     body = problem(api.get(f"/tp-groups/{gid}/engine"), 404, "not_found")
     assert gid in body["detail"]
