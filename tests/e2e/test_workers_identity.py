@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.workers_support import launched, logs, reports, start_group, wait_all
+from tests.e2e.workers_support import Launch, launched, logs, reports, start_group, wait_all
 
 pytest_plugins = ["tests.e2e.conftest_workers"]
 pytestmark = pytest.mark.timeout(120)
@@ -88,6 +88,17 @@ def test_a_group_id_differing_on_one_node_fails_the_cross_verify_on_every_rank(
     assert agent_ranks(registry, "pf") == []
 
 
+def wait_until_ready(http: httpx.Client, group_id: str, launches: list[Launch]) -> Any:
+    """The group's engine once every rank registered (the group may not exist yet)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        answer = http.get(f"/tp-groups/{group_id}/engine", params={"wait_ready": 5})
+        if answer.is_success and answer.json()["ready"]:
+            return answer.json()
+        time.sleep(0.2)
+    raise AssertionError(f"{group_id} never ready:\n{logs(launches)}")
+
+
 def test_a_group_on_two_nodes_agrees_on_the_registry_issued_engine_id(
     tmp_path: Path, registry: str
 ) -> None:
@@ -95,16 +106,31 @@ def test_a_group_on_two_nodes_agrees_on_the_registry_issued_engine_id(
         "prefill", tmp_path, group_id="pf", registry=registry, tp=2, nodes=2,
         args=["--serve-s", "60"],
     )  # fmt: skip
-    deadline = time.monotonic() + 60
     with launched(prefill), httpx.Client(base_url=registry, timeout=70) as http:
-        while (
-            answer := http.get("/tp-groups/pf/engine", params={"wait_ready": 30})
-        ).status_code == 404:
-            assert time.monotonic() < deadline, logs(prefill)
-            time.sleep(0.2)
-        engine = answer.json()
-        assert engine["ready"], logs(prefill)
+        engine = wait_until_ready(http, "pf", prefill)
         assert engine["registered_ranks"] == [0, 1]
         found = reports(tmp_path, "prefill", "pf")
     assert {r["engine_id"] for r in found} == {engine["engine_id"]}
     assert [r["node"] for r in found] == [0, 1]
+
+
+def test_a_serving_prefill_superseded_by_a_newer_launch_stops_loudly_on_its_next_heartbeat(
+    tmp_path: Path, registry: str
+) -> None:
+    prefill = start_group(
+        "prefill", tmp_path, group_id="pf", registry=registry, tp=1,
+        args=["--serve-s", "60", "--ttl-s", "5"],
+    )  # fmt: skip
+    with launched(prefill), httpx.Client(base_url=registry, timeout=70) as http:
+        old = wait_until_ready(http, "pf", prefill)["engine_id"]
+        newer = http.put(
+            "/tp-groups/pf/engine",
+            json={"launch_id": "someone-else", "tp_size": 1, "role": "prefill"},
+        )
+        assert newer.status_code == 201
+        assert wait_all(prefill, 30) != [0]
+
+    (report,) = reports(tmp_path, "prefill", "pf")
+    assert report["engine_id"] == old
+    assert report["status"] == "superseded"
+    assert "IS SUPERSEDED" in prefill[0].log()
