@@ -7,15 +7,19 @@ veth pair whose inside end is `eth0` with its own address, and an /etc/hosts of 
 and IPC namespaces, the command as PID 1 that gets the stop signal; when the `unshare` above
 it dies, the kernel kills everything inside.
 
-Everything the network makes carries its tag (interfaces `ertAGbr`, namespaces `er-TAG-...`)
-and `close()` removes all of it, killing whatever still runs in its namespaces (only those
-processes: they are this test's); `sweep_stale()` removes what a killed run left behind.
+Everything the network makes carries its tag, the test process's pid (interfaces `erTAGbr`,
+`erTAGvN`, namespaces `er-TAG-NAME`), and `close()` removes all of it, killing whatever still
+runs in its namespaces (only those processes: they are this test's). Spawned commands die
+with the test process even when it is SIGKILLed; `sweep_stale()`, run by every new
+`Network`, removes the namespaces and interfaces such a run left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -96,13 +100,20 @@ def sweep_stale() -> None:
         tag = name[len(PREFIX) :].split("-")[0]
         if tag.isdigit() and not _pid_alive(int(tag)):
             _remove_namespace(name)
-    links = _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines()
-    for line in links:
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        tag = name[2:-2]
-        stale = name.startswith("er") and name.endswith("br") and tag.isdigit()
-        if stale and not _pid_alive(int(tag)):
+        ours = re.fullmatch(r"er(\d+)(?:br|v\d+)", name)  # a bridge or a veth of a run
+        if ours and not _pid_alive(int(ours[1])):
             _ip("link", "delete", name, check=False)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if the test process dies (even by SIGKILL).
+
+    `unshare --kill-child` then takes the whole PID namespace with it.
+    """
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -207,6 +218,7 @@ class Host:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         proc = Proc(name, self, popen, log_path, log)
         self.procs.append(proc)
