@@ -150,3 +150,24 @@ def test_opens_racing_registrations_never_leave_old_agents_on_the_new_engine(
     view = reg.engine(gid)
     assert view["generation"] == 2
     assert view["registered_ranks"] == []
+
+
+def test_many_waiters_all_wake_when_the_engine_becomes_ready(
+    pool_client: httpx.Client, reg: Api, gid: str
+) -> None:
+    engine = reg.open(gid, tp_size=2)
+    reg.register(engine, 0)
+
+    def wait() -> tuple[bool, float]:
+        started = time.monotonic()
+        resp = pool_client.get(f"/tp-groups/{gid}/engine", params={"wait_ready": 30})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["ready"], time.monotonic() - started
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        futures = [pool.submit(wait) for _ in range(20)]
+        time.sleep(0.5)
+        reg.register(engine, 1)
+        answers = [f.result(timeout=40) for f in futures]
+    assert all(ready for ready, _ in answers)
+    assert max(elapsed for _, elapsed in answers) < 10

@@ -58,6 +58,20 @@ def test_delete_group_with_an_invalid_id_is_422(api: httpx.Client) -> None:
     invalid(api.delete("/tp-groups/NOT-VALID"))
 
 
+def test_groups_whose_ids_share_a_prefix_stay_apart(api: httpx.Client, reg: Api, gid: str) -> None:
+    names = [gid, gid + "0", gid + ".x", gid + "-x"]
+    engines = {name: reg.open(name, tp_size=2) for name in names}
+    reg.register_all(engines[gid])
+    for name in names[1:]:
+        assert reg.engine(name)["registered_ranks"] == []
+        assert reg.engine(name)["generation"] == 1
+    assert api.delete(f"/tp-groups/{gid}").status_code == 204
+    for name in names[1:]:
+        resolved = api.get(f"/engines/{engines[name]['engine_id']}")
+        assert resolved.status_code == 200, resolved.text
+        assert reg.engine(name)["engine_id"] == engines[name]["engine_id"]
+
+
 def test_a_recreated_group_starts_again_at_generation_one(
     api: httpx.Client, reg: Api, gid: str
 ) -> None:
