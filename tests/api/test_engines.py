@@ -328,6 +328,8 @@ def test_wait_ready_on_an_unknown_group_is_404_without_waiting(api: httpx.Client
     started = time.monotonic()
     problem(api.get(f"/tp-groups/{gid}/engine", params={"wait_ready": 10}), 404, "not_found")
     assert time.monotonic() - started < 2
+    # The query's shape is checked before the group's existence.
+    invalid(api.get(f"/tp-groups/{gid}/engine", params={"wait_ready": 61}))
 
 
 def test_engine_answers_are_json_not_problems(api: httpx.Client, gid: str) -> None:
