@@ -338,6 +338,8 @@ class EtcdStore(Store):
                         # re-reads through failover and waits again on a fresh watch.
                         await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
                     return True
+                if deadline - loop.time() <= 0:
+                    return False  # never probe past the caller's deadline
                 # Linearizable probe: raises StoreUnavailable when the cluster lost quorum,
                 # and sees changes a watch on a cut-off member would never deliver.
                 probe = await self._call("read", lambda c: c.get_range(start, end))
