@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,12 +34,14 @@ import pytest
 
 from tests.e2e import netns
 from tests.e2e.compose_support import (
+    HA_ENV_FILE,
     ROOT,
     Service,
     dockerfile_instructions,
     healthcheck_command,
     image_environment,
     load_services,
+    read_env_file,
 )
 
 SKIP_REASON = netns.unavailable_reason()
@@ -48,6 +51,7 @@ pytestmark = [
 ]
 
 VENV = ROOT / ".venv"
+PREFILL_NODES = ("prefill-node0", "prefill-node1")
 IMAGE_VENV = "/opt/venv"
 PYTHON = str(VENV / "bin" / "python") if (VENV / "bin" / "python").exists() else sys.executable
 
@@ -132,7 +136,10 @@ class Deployment:
 
     def environment(self, service: Service, host: netns.Host, instance: str) -> dict[str, str]:
         mounts = self.mounts(service, instance)
-        env = {k: self.substitute(v, mounts) for k, v in self.image_env.items()}
+        if "build" in service.raw:  # our image: its ENV, with /opt/venv being .venv
+            env = {k: self.substitute(v, mounts) for k, v in self.image_env.items()}
+        else:  # another image (etcd): a plain PATH, where Debian's etcd lies
+            env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
         env.update(HOSTNAME=host.hostname, HOME=str(mounts[self.workdir]))
         env.update({k: self.substitute(v, mounts) for k, v in service.environment.items()})
         return env
@@ -494,3 +501,107 @@ def check_registry_refuses_unreachable_hosts(
         {"method": "DELETE", "url": f"{url}/tp-groups/{group}", "token": tokens["admin"]},
     )[0]
     assert deleted["status"] == 204, deleted
+
+
+ETCD = shutil.which("etcd")
+
+
+@pytest.mark.skipif(ETCD is None, reason="the ha profile needs an etcd binary (etcd-server)")
+def test_ha_profile_keeps_serving_when_a_registry_replica_is_killed(tmp_path: Path) -> None:
+    started = time.monotonic()
+    tokens = {role: secrets.token_urlsafe(24) for role in ("worker", "reader", "admin")}
+    # `docker compose --env-file docker/ha.env up`, with WORKER_TOKEN set.
+    compose_env = {"WORKER_TOKEN": tokens["worker"], **read_env_file(HA_ENV_FILE)}
+    services = load_services(compose_env)
+    names = ["etcd-1", "etcd-2", "etcd-3", "registry", "registry-2", *PREFILL_NODES]
+    assert set(services) == {*names, "decode"}
+    with netns.Network() as net:
+        try:
+            hosts = {name: net.add_host(name, services[name].hostname) for name in names}
+            hosts["decode"] = net.add_host("decode-1", secrets.token_hex(6))
+            hosts["probe"] = net.add_host("probe")
+            net.write_hosts()
+            run_ha(tmp_path, net, services, tokens, hosts)
+        finally:
+            net.close()
+            assert net.leftovers() == []
+    print(f"ha deployment verified in {time.monotonic() - started:.1f}s")
+
+
+def run_ha(
+    tmp: Path,
+    net: netns.Network,
+    services: Mapping[str, Service],
+    tokens: Mapping[str, str],
+    hosts: Mapping[str, netns.Host],
+) -> None:
+    deploy = Deployment(net, tmp, services)
+    token_file = deploy.secrets_dir / "registry_tokens"
+    token_file.write_text("".join(f"{role}:{tok}\n" for role, tok in tokens.items()))
+    token_file.chmod(0o600)
+    probe = hosts["probe"]
+    replicas = {
+        name: f"http://{name}:{services[name].environment['REGISTRY_PORT']}"
+        for name in ("registry", "registry-2")
+    }
+    assert services["decode"].environment["WORKERS_REGISTRY_URL"] == ",".join(replicas.values())
+
+    for member in ("etcd-1", "etcd-2", "etcd-3"):
+        deploy.start(member, hosts[member], report=False)
+    registry = {name: deploy.start(name, hosts[name], report=False) for name in replicas}
+    for name in replicas:
+        deploy.wait_healthy(healthcheck_command(), name, hosts[name], 30)
+    deploy.wait_for(
+        lambda: all(
+            a["status"] == 200
+            for a in http(
+                probe, *({"method": "GET", "url": f"{u}/readyz"} for u in replicas.values())
+            )
+        ),
+        "both replicas' store (the etcd cluster) to answer",
+        30,
+    )
+
+    node0 = deploy.start("prefill-node0", hosts["prefill-node0"])
+    node1 = deploy.start("prefill-node1", hosts["prefill-node1"])
+    deploy.wait_healthy(
+        services["prefill-node0"].healthcheck or [], "prefill-node0", node0.host, 120
+    )
+    group = next(
+        a.split("=", 1)[1] for a in services["prefill-node0"].command if a.startswith("--group-id=")
+    )
+    seen = http(
+        probe,
+        *({"method": "GET", "url": f"{u}/tp-groups/{group}/engine", "token": tokens["reader"]}
+          for u in replicas.values()),
+    )  # fmt: skip
+    assert [a["status"] for a in seen] == [200, 200], seen
+    assert seen[0]["json"]["engine_id"] == seen[1]["json"]["engine_id"]  # one truth
+    assert seen[1]["json"]["ready"], seen[1]
+    engine_id = seen[0]["json"]["engine_id"]
+
+    # `docker compose kill registry`: the workers carry on through registry-2.
+    registry["registry"].kill()
+    decode = deploy.start("decode", hosts["decode"])
+    deadline = time.monotonic() + 150
+    assert deploy.wait(decode, deadline) == 0, deploy.logs()
+    (report,) = read_reports(deploy.reports, "decode")
+    assert len(report["rounds"]) == rounds_per_decode(services)
+    for figures in report["rounds"]:
+        assert figures["engine_id"] == engine_id
+        assert figures["verified_bytes"] == figures["bytes"] > 0
+
+    for proc in (node0, node1):
+        proc.signal(signal.SIGTERM)
+    deadline = time.monotonic() + 40
+    for proc in (node0, node1):
+        deploy.wait(proc, deadline)
+        assert "INFO shut down" in proc.log(), proc.tail()
+    after = http(
+        probe,
+        {"method": "GET", "url": f"{replicas['registry-2']}/tp-groups/{group}/engine",
+         "token": tokens["reader"]},
+    )[0]  # fmt: skip
+    assert after["json"]["engine_id"] == engine_id
+    assert after["json"]["registered_ranks"] == [], after  # deregistered through registry-2
+    assert registry["registry-2"].poll() is None, registry["registry-2"].tail()
