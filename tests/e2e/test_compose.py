@@ -386,3 +386,22 @@ def test_dockerfile_passes_hadolint() -> None:
         [hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False
     )
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_extras_the_image_installs_bring_what_the_code_imports() -> None:
+    """An image built with EXTRAS=workers,etcd must run workers and the etcd store."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+    assert {"torch", "nixl"} <= names(extras["workers"])
+    etcd_store = (ROOT / "app" / "store" / "etcd.py").read_text()
+    for module in ("aetcd",):
+        if re.search(rf"^import {module}\b", etcd_store, re.MULTILINE):
+            assert module in names(extras["etcd"]), (
+                f"app/store/etcd.py imports {module}: the `etcd` extra must install it, or "
+                "the image's registry cannot use an etcd:// store"
+            )
