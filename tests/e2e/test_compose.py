@@ -405,3 +405,32 @@ def test_the_extras_the_image_installs_bring_what_the_code_imports() -> None:
                 f"app/store/etcd.py imports {module}: the `etcd` extra must install it, or "
                 "the image's registry cannot use an etcd:// store"
             )
+
+
+def deployment_section(readme: str) -> str | None:
+    found = re.search(r"^## Deployment\n(.*?)(?=^## |\Z)", readme, re.MULTILINE | re.DOTALL)
+    return found[1] if found else None
+
+
+def check_deployment_section(section: str) -> None:
+    """The README documents every variable the compose file reads, and only those."""
+    compose_vars = set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", COMPOSE_FILE.read_text()))
+    table_vars = set(re.findall(r"^\| `([A-Z_][A-Z0-9_]*)` \|", section, re.MULTILINE))
+    assert compose_vars == table_vars, {
+        "undocumented": sorted(compose_vars - table_vars),
+        "not in compose.yaml": sorted(table_vars - compose_vars),
+    }
+    for path in re.findall(r"\b(docker/[\w./-]+\.(?:example|env|yaml))\b", section):
+        assert (ROOT / path).exists(), path
+    for name in load_services(HA_ENV):
+        assert f"`{name}`" in section, f"service {name} is not described"
+    commands = re.findall(r"docker compose ([^`\n#]*)", section)
+    assert any("--env-file docker/ha.env" in c for c in commands)
+    assert any("--scale decode=" in c for c in commands)
+
+
+def test_readme_deployment_section_matches_the_compose_file() -> None:
+    section = deployment_section((ROOT / "README.md").read_text())
+    if section is None:
+        pytest.skip("README.md has no '## Deployment' section yet")
+    check_deployment_section(section)
