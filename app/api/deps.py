@@ -10,7 +10,9 @@ from app.registry import Registry
 from app.schemas import GROUP_ID_PATTERN, MAX_TP_SIZE
 
 
-def get_registry(request: Request) -> Registry:
+async def get_registry(request: Request) -> Registry:
+    # async on purpose: FastAPI runs a plain ``def`` dependency in its thread pool, one
+    # thread hop per request for a dictionary lookup.
     registry: Registry = request.app.state.registry
     return registry
 
