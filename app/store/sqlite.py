@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from app.errors import StoreUnavailable
 from app.store.base import (
@@ -71,7 +71,11 @@ class SqliteStore(Store):
         self.description = f"sqlite:///{self.path}"
         self._timeout_s = timeout_s
         self._poll_interval_s = poll_interval_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
+        # The thread that owns the connection, fed through a C-level queue: a call costs one
+        # put and one call_soon_threadsafe, where run_in_executor costs a Python-level
+        # Condition handshake and two chained futures (a visible share of a request's CPU).
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
         self._synchronous = synchronous.upper()
         if self._synchronous not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
@@ -111,11 +115,8 @@ class SqliteStore(Store):
                 conn = self._connect()
                 return fn(conn)
 
-        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(self._executor, call), self._timeout_s
-            )
+            return await asyncio.wait_for(self._submit(call), self._timeout_s)
         except TimeoutError as exc:
             raise StoreUnavailable(
                 f"SQLite store {self.path} did not answer within {self._timeout_s:g} s "
@@ -125,6 +126,31 @@ class SqliteStore(Store):
             raise StoreUnavailable(
                 f"SQLite store {self.path} failed: {exc}. Check the file's disk and permissions."
             ) from exc
+
+    def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        if self._thread is None:
+            # A daemon: a store nobody closed must not hold the interpreter at exit (an
+            # interrupted write is then what a kill -9 leaves, which WAL recovers).
+            self._thread = threading.Thread(target=self._work, name="sqlite-store", daemon=True)
+            self._thread.start()
+        self._queue.put((call, fut, loop))
+        return fut
+
+    def _work(self) -> None:
+        """The connection's thread: run calls in order, hand each result to its loop."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            call, fut, loop = item
+            try:
+                outcome: tuple[Any, BaseException | None] = (call(), None)
+            except BaseException as exc:  # handed to the awaiting coroutine
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_settle, fut, *outcome)
 
     @staticmethod
     def _revision(conn: sqlite3.Connection) -> int:
@@ -372,8 +398,24 @@ class SqliteStore(Store):
                     self._conn.close()
                     self._conn = None
 
-        await asyncio.get_running_loop().run_in_executor(self._executor, shut)
-        self._executor.shutdown(wait=True)
+        if self._thread is None:
+            shut()
+            return
+        await self._submit(shut)
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+_Call = tuple[Callable[[], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():  # the caller timed out (wait_for cancelled it)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 class _Rollback(Exception):
