@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
-import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -13,6 +14,15 @@ from app.metrics import Metrics
 log = logging.getLogger("app.access")
 
 TOO_LARGE = "body_too_large"
+
+# Request ids: 16 random hex digits per process, then a counter (32 hex digits, like a
+# uuid4's hex). uuid4 reads os.urandom on every request, a visible share of a request's CPU.
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 class ObserveMiddleware:
@@ -30,7 +40,7 @@ class ObserveMiddleware:
             return
         started = time.perf_counter()
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if 0 < len(given) <= 64 and given.isprintable() else uuid.uuid4().hex
+        request_id = given if 0 < len(given) <= 64 and given.isprintable() else new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
 
