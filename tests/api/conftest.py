@@ -1,8 +1,9 @@
 """The API tier: real HTTP against a real ``python -m app serve`` on loopback.
 
-Most modules share one server (``api``) and keep out of each other's way by giving every test
-its own group ids (``gid``); tests that need a server of their own (tokens, a small body
-limit, kill -9) start one with :class:`RegistryProcess`.
+Most modules share one server (``server``, ``api``) and keep out of each other's way by giving
+every test its own group ids (``gid``); modules that need a server of their own (tokens, a
+small body limit, gauges, kill -9) override ``server`` or start one with
+:class:`RegistryProcess`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ def sqlite_url(directory: Path) -> str:
     return f"sqlite:///{directory / 'registry.db'}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
-    """One registry per test module, on a fresh SQLite file."""
+    """One registry shared by the modules that do not override it, on a fresh SQLite file.
+
+    Tests keep apart by their group ids; a module that needs its own server (tokens, a body
+    limit, exact gauge values, kill -9) overrides this fixture.
+    """
     directory = tmp_path_factory.mktemp("registry")
     with RegistryProcess(sqlite_url(directory), log_path=directory / "registry.log") as proc:
         yield proc
@@ -75,7 +80,7 @@ def agent_body(engine_id: str, rank: int, **overrides: Any) -> dict[str, Any]:
         "agent_metadata": blob(rank, engine_id),
         "host": f"10.0.0.{10 + rank % 200}",
         "kv": KV,
-        "ttl_s": 60,
+        "ttl_s": 600,
     }
     body.update(overrides)
     return body

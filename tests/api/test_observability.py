@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.conftest import Api, agent_body, new_gid
+from tests.api.conftest import Api, agent_body, new_gid, sqlite_url
+from tests.support.server import RegistryProcess
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+    """A server of its own: gauges count every group, so no other module's leases may
+    expire under these tests."""
+    directory = tmp_path_factory.mktemp("observability")
+    with RegistryProcess(sqlite_url(directory), log_path=directory / "registry.log") as proc:
+        yield proc
+
 
 CONTRACT_PATHS = {
     "/tp-groups/{group_id}/engine": {"put", "get"},
