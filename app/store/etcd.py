@@ -60,8 +60,8 @@ _GRPC_OPTIONS: dict[str, Any] = {
 }
 
 
-class _LeaseGone(Exception):
-    """etcd answered NOT_FOUND for a lease: it expired or was revoked."""
+# Bounds the tries of one call (the deadline bounds its time).
+_MAX_TRIES = 64
 
 
 def _rpc_code(exc: BaseException) -> str:
@@ -146,9 +146,13 @@ class EtcdStore(Store):
         return client
 
     async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run ``fn`` on the preferred endpoint, failing over to the others, all within
-        ``timeout_s``. ``fn`` must be safe to repeat: an attempt that timed out may have
-        been applied (a repeated compare-and-set then loses, and its caller re-reads)."""
+        """Run ``fn`` on the preferred endpoint, failing over to the others, round after
+        round, all within ``timeout_s``. A member that answers at once with an error (no
+        leader yet, leader changed, connection refused) costs a try, not the deadline:
+        elections last about a second, so rounds go on with a short pause until it passes.
+
+        ``fn`` must be safe to repeat: an attempt that timed out may have been applied (a
+        repeated compare-and-set then loses, and its caller re-reads)."""
         if self._closed:
             raise StoreUnavailable("The etcd store is closed (the service is shutting down).")
         loop = asyncio.get_running_loop()
@@ -156,11 +160,14 @@ class EtcdStore(Store):
         n = len(self.endpoints)
         failures: list[str] = []
         start = self._preferred
-        for attempt in range(n):
-            index = (start + attempt) % n
-            budget = (deadline - loop.time()) / (n - attempt)
+        for attempt in range(_MAX_TRIES):
+            if attempt and attempt % n == 0:  # every endpoint failed this round
+                await asyncio.sleep(min(0.05 * (attempt // n), 0.25, deadline - loop.time()))
+            # A fair share of the time left for each endpoint not yet tried this round.
+            budget = (deadline - loop.time()) / (n - attempt % n)
             if budget <= 0:
                 break
+            index = (start + attempt) % n
             host, port = self.endpoints[index]
             try:
                 return await asyncio.wait_for(fn(self._client(index)), budget)
@@ -177,8 +184,8 @@ class EtcdStore(Store):
                 self._preferred = (index + 1) % n
         raise StoreUnavailable(
             f"etcd did not answer the {what} within {self._timeout_s:g} s "
-            f"({'; '.join(failures) or 'no time left'}). Check that a majority of the etcd "
-            "members is up and reachable from this replica."
+            f"({len(failures)} tries; last: {'; '.join(failures[-n:]) or 'no time left'}). "
+            "Check that a majority of the etcd members is up and reachable from this replica."
         )
 
     def _entry(self, kv: Any) -> Entry:
