@@ -113,7 +113,7 @@ class FailoverClient:
                 )
                 if not (retry_503 and retryable):
                     return Answer(response, attempt, t0, time.monotonic(), failures)
-                failures.append(f"{url}: 503 store_unavailable")
+                failures.append(f"{url}: 503 {response.json().get('detail')}")
             if time.monotonic() - t0 > deadline_s:
                 break
             await asyncio.sleep(min(0.05 * (attempt + 1), 0.5))
