@@ -90,7 +90,7 @@ def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
                 f"Bad etcd endpoint {part!r} in {url!r}: expected host:port, e.g. "
                 "etcd://127.0.0.1:2379,127.0.0.1:22379/registry"
             )
-        endpoints.append((host.strip("[]"), int(port)))
+        endpoints.append((host, int(port)))  # an IPv6 host keeps its brackets for gRPC
     if not endpoints:
         raise ValueError(f"No etcd endpoint in {url!r}: expected etcd://host:port/prefix")
     prefix = prefix.strip("/") or "engine-registry"

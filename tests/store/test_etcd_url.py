@@ -12,7 +12,7 @@ from app.store.etcd import EtcdStore, parse_url
 
 def test_url_names_every_endpoint_and_the_prefix() -> None:
     endpoints, prefix = parse_url("etcd://127.0.0.1:2379,[::1]:22379,etcd-2:32379/team-a")
-    assert endpoints == [("127.0.0.1", 2379), ("::1", 22379), ("etcd-2", 32379)]
+    assert endpoints == [("127.0.0.1", 2379), ("[::1]", 22379), ("etcd-2", 32379)]
     assert prefix == "team-a"
 
 
