@@ -35,7 +35,6 @@ import pytest
 from tests.e2e import netns
 from tests.e2e.compose_support import (
     HA_ENV_FILE,
-    ROOT,
     Service,
     dockerfile_instructions,
     healthcheck_command,
@@ -50,10 +49,11 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-VENV = ROOT / ".venv"
+# The environment running the tests stands for the image's /opt/venv (make test: ROOT/.venv).
+VENV = Path(sys.prefix)
 PREFILL_NODES = ("prefill-node0", "prefill-node1")
 IMAGE_VENV = "/opt/venv"
-PYTHON = str(VENV / "bin" / "python") if (VENV / "bin" / "python").exists() else sys.executable
+PYTHON = sys.executable
 
 # One HTTP exchange per line of argv[1] (JSON list), answers printed as a JSON list.
 HTTP_SCRIPT = r"""
