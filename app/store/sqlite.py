@@ -1,7 +1,11 @@
 """The embedded store: one SQLite file in WAL mode, emulating etcd's revisions and leases.
 
-All statements run on one dedicated thread that owns the connection, so the event loop never
-blocks on disk. A write transaction is ``BEGIN IMMEDIATE`` … ``COMMIT``; once ``txn`` returns,
+Writes run on one dedicated thread that owns the writing connection, so the event loop never
+waits for a write lock or an fsync. Reads (``get``, ``range``) run on the event loop's thread
+over a second connection: a WAL reader never waits for writers, and the hop to a thread would
+cost more than the read (a third of a request's CPU). Should a read find the file busy anyway
+(another process recovering the WAL, say), it is retried on the writer's thread, under the
+store timeout. A write transaction is ``BEGIN IMMEDIATE`` … ``COMMIT``; once ``txn`` returns,
 the change is in the WAL file, which survives a ``kill -9`` of the process (with
 ``synchronous=NORMAL``, the default; ``?synchronous=full`` also survives power loss, at one
 fsync per write). Several processes may share the file; a busy database waits up to the store
@@ -77,6 +81,9 @@ class SqliteStore(Store):
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: sqlite3.Connection | None = None
+        # Reads on the event loop's thread; the lock only keeps two loops (tests) apart.
+        self._reader: sqlite3.Connection | None = None
+        self._reader_lock = threading.Lock()
         self._synchronous = synchronous.upper()
         if self._synchronous not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
             raise ValueError(f"synchronous must be NORMAL, FULL or EXTRA, not {synchronous!r}")
@@ -105,6 +112,33 @@ class SqliteStore(Store):
             conn.executescript(_SCHEMA)
             self._conn = conn
         return self._conn
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run a read-only ``fn`` here, on the loop's thread, when it needs no waiting."""
+        if self._closed:
+            raise StoreUnavailable("The SQLite store is closed (the service is shutting down).")
+        # Until the writer has created the schema, and while another loop reads, take the
+        # thread path; also when the file is busy (timeout=0 below: never wait here).
+        if self._conn is not None and self._reader_lock.acquire(blocking=False):
+            reader = self._reader
+            try:
+                if reader is None:
+                    reader = self._reader = sqlite3.connect(
+                        self.path, isolation_level=None, check_same_thread=False, timeout=0
+                    )
+                return fn(reader)
+            except sqlite3.OperationalError:
+                if reader is not None and reader.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        reader.execute("ROLLBACK")
+            except sqlite3.Error as exc:
+                raise StoreUnavailable(
+                    f"SQLite store {self.path} failed: {exc}. "
+                    "Check the file's disk and permissions."
+                ) from exc
+            finally:
+                self._reader_lock.release()
+        return await self._run(fn)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
@@ -216,7 +250,7 @@ class SqliteStore(Store):
             ).fetchone()
             return None if row is None else Entry(row[0], bytes(row[1]), row[2], row[3])
 
-        return await self._run(fn)
+        return await self._read(fn)
 
     async def range(self, prefix: str) -> Snapshot:
         def fn(conn: sqlite3.Connection) -> Snapshot:
@@ -237,7 +271,7 @@ class SqliteStore(Store):
             remaining = {r[3]: r[4] - now for r in rows if r[3] is not None}
             return Snapshot(entries, revision, remaining)
 
-        return await self._run(fn)
+        return await self._read(fn)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -391,6 +425,11 @@ class SqliteStore(Store):
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+
+        with self._reader_lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
 
         def shut() -> None:
             with self._lock:
