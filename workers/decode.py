@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from workers import launch
 from workers.client import RegistryClient
-from workers.endpoint import NixlEndpoint, stop_on_signals
+from workers.endpoint import NixlEndpoint, RemoteRead, stop_on_signals
 from workers.errors import (
     EngineIdentityError,
     EngineSuperseded,
+    NotFound,
     NotReady,
     RegistryUnavailable,
     TransferError,
@@ -163,16 +164,14 @@ def read_round(
     plan = engines.get(engine_id)
     buffer.zero_()
     start = time.perf_counter()
-    for op in plan.ops:
-        target = next(t for t in plan.handshake.targets if t.rank == op.remote_rank)
-        engines.endpoint.read(
-            target.agent_name,
-            op.local,
-            op.remote,
-            local_mem_type=engines.local.mem_type,
-            remote_mem_type=target.kv.mem_type,
-            deadline_s=args.transfer_timeout_s,
-        )
+    names = {t.rank: (t.agent_name, t.kv.mem_type) for t in plan.handshake.targets}
+    reads = [
+        RemoteRead(names[op.remote_rank][0], op.local, op.remote, names[op.remote_rank][1])
+        for op in plan.ops
+    ]
+    engines.endpoint.read(
+        reads, local_mem_type=engines.local.mem_type, deadline_s=args.transfer_timeout_s
+    )
     seconds = time.perf_counter() - start
     try:
         checked = verify(
@@ -256,6 +255,26 @@ def pull(
     return launch.EXIT_ERROR
 
 
+def wait_for_group(client: RegistryClient, group_id: str, args: argparse.Namespace) -> str:
+    """The group's current engine_id once it is ready: the prefill may not have opened it yet
+    (a 404 until its rank 0 gets there), so wait for it, up to the deadline."""
+    deadline = time.monotonic() + args.deadline_s
+    pause = 0.1
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            engine = client.get_engine(group_id, wait_ready_s=max(0.0, min(30.0, left)))
+        except NotFound:
+            if left <= 0:
+                raise
+            log.info("prefill group %s not opened yet; waiting", group_id)
+            time.sleep(min(pause, max(left, 0.0)))
+            pause = min(pause * 2, 2.0)
+            continue
+        if engine.ready or left <= 0:
+            return engine.engine_id
+
+
 def run(args: argparse.Namespace) -> int:
     info = launch.init_distributed(args)
     launch.setup_logging("decode", info, args.group_id)
@@ -290,11 +309,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("REGISTRY REFUSED THE AGENTS: %s", exc)
             reporter.update(status="refused", error=str(exc), causes=exc.causes)
             return launch.EXIT_REFUSED
-        if args.prefill_engine_id:
-            engine_id = args.prefill_engine_id
-        else:
-            engine = client.get_engine(args.prefill_group, wait_ready_s=min(60, args.deadline_s))
-            engine_id = engine.engine_id
+        engine_id = args.prefill_engine_id or wait_for_group(client, args.prefill_group, args)
         engines = RemoteEngines(
             endpoint,
             client,

@@ -331,6 +331,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
             if not finished:
                 say("prefill did not stop before the deadline")
             return 1
+        decoders: list[Proc] = []
         decode_args = [
             *common,
             "--group-id",
@@ -344,10 +345,16 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
         ]
         for name, cmd in torchrun_cmds("decode", args.decode_tp, args.decode_nodes, decode_args):
             say(f"starting {name}: torchrun ... -m workers.decode ({args.decode_tp} ranks)")
-            workers.append(spawn(name, cmd, workdir, args.quiet))
-            procs.append(workers[-1])
-        if not wait_all(workers, deadline):
+            decoders.append(spawn(name, cmd, workdir, args.quiet))
+        procs.extend(decoders)
+        if not wait_all(decoders, deadline):
             say(f"deadline of {args.timeout_s:.0f}s passed; stopping everything")
+        # The prefill ranks exit once every reader reported; if a decode failed, they never
+        # will, so they get a short grace and are then stopped (SIGTERM: a clean shutdown).
+        if not wait_all(workers, min(deadline, time.monotonic() + 20)):
+            for proc in workers:
+                stop(proc)
+        workers.extend(decoders)
         codes = {p.name: p.popen.returncode for p in workers}
         return 0 if summarize(args, report_dir, codes) else 1
     finally:

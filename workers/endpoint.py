@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 from urllib.parse import urlsplit
@@ -34,6 +35,16 @@ from workers.models import KvSpec, Target
 log = logging.getLogger(__name__)
 
 ADVERTISE_HOST_ENV = "WORKERS_ADVERTISE_HOST"
+
+
+@dataclass(frozen=True)
+class RemoteRead:
+    """One READ: `remote` descriptors of agent `remote_name` into `local` ones."""
+
+    remote_name: str
+    local: list[tuple[int, int, int]]
+    remote: list[tuple[int, int, int]]
+    remote_mem_type: str
 
 
 class NixlEndpoint:
@@ -80,51 +91,57 @@ class NixlEndpoint:
 
     def read(
         self,
-        remote_name: str,
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
+        reads: list[RemoteRead],
         *,
         local_mem_type: str,
-        remote_mem_type: str,
         deadline_s: float,
-        notif: bytes = b"",
     ) -> None:
-        """READ `remote` descriptors of `remote_name` into `local` ones; wait until done.
+        """Post every READ at once (one per remote agent), then wait for all of them.
 
         Each side has its own memory type (`DRAM`/`VRAM`): a decode on GPUs may read from a
-        prefill that keeps its KV in host memory, and the other way round.
+        prefill that keeps its KV in host memory, and the other way round. Handles are
+        released whatever happens; a transfer still running at the deadline is an error.
         """
-        local_descs = self.agent.get_xfer_descs(np.array(local, dtype=np.uint64), local_mem_type)
-        remote_descs = self.agent.get_xfer_descs(np.array(remote, dtype=np.uint64), remote_mem_type)
+        handles: list[tuple[str, Any]] = []
         try:
-            handle = self.agent.initialize_xfer(
-                "READ", local_descs, remote_descs, remote_name, notif
-            )
-        except Exception as exc:  # nixl raises its own binding errors (e.g. disconnected)
-            raise TransferError(f"READ from {remote_name}: {exc}") from exc
-        try:
-            try:
-                state = self.agent.transfer(handle)
-            except Exception as exc:
-                raise TransferError(f"READ from {remote_name}: {exc}") from exc
-            end = time.monotonic() + deadline_s
-            pause = 0.0005
-            while state == "PROC":
-                if time.monotonic() > end:
-                    raise TransferError(f"READ from {remote_name} not done after {deadline_s}s")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.02)
+            for r in reads:
+                local = self.agent.get_xfer_descs(np.array(r.local, dtype=np.uint64),
+                                                  local_mem_type)  # fmt: skip
+                remote = self.agent.get_xfer_descs(np.array(r.remote, dtype=np.uint64),
+                                                   r.remote_mem_type)  # fmt: skip
                 try:
-                    state = self.agent.check_xfer_state(handle)
-                except Exception as exc:
-                    raise TransferError(f"READ from {remote_name}: {exc}") from exc
-            if state != "DONE":
-                raise TransferError(f"READ from {remote_name} failed ({state})")
+                    handle = self.agent.initialize_xfer("READ", local, remote, r.remote_name)
+                    handles.append((r.remote_name, handle))
+                    state = self.agent.transfer(handle)
+                except Exception as exc:  # nixl raises its own errors (e.g. disconnected)
+                    raise TransferError(f"READ from {r.remote_name}: {exc}") from exc
+                if state == "ERR":
+                    raise TransferError(f"READ from {r.remote_name} failed to post")
+            end = time.monotonic() + deadline_s
+            pending = list(handles)
+            while pending:
+                still = []
+                for name, handle in pending:
+                    try:
+                        state = self.agent.check_xfer_state(handle)
+                    except Exception as exc:
+                        raise TransferError(f"READ from {name}: {exc}") from exc
+                    if state == "ERR":
+                        raise TransferError(f"READ from {name} failed")
+                    if state == "PROC":
+                        still.append((name, handle))
+                pending = still
+                if pending:
+                    if time.monotonic() > end:
+                        names = [name for name, _ in pending]
+                        raise TransferError(f"READ from {names} not done after {deadline_s}s")
+                    time.sleep(0.0005)
         finally:
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception as exc:
-                log.warning("releasing transfer handle: %s", exc)
+            for _, handle in handles:
+                try:
+                    self.agent.release_xfer_handle(handle)
+                except Exception as exc:
+                    log.warning("releasing transfer handle: %s", exc)
 
     def notify(self, remote_name: str, message: bytes) -> None:
         try:

@@ -103,6 +103,32 @@ def engine_seed(engine_id: str) -> int:
     return int.from_bytes(hashlib.sha256(engine_id.encode()).digest()[:4], "big") & _M31
 
 
+def _region_pattern(
+    seed: int, layout: KvLayout, region: int, blocks: torch.Tensor, heads: torch.Tensor
+) -> torch.Tensor:
+    """int16 content of one region: `[len(blocks), len(heads), block_size, head_size]`.
+
+    The per-row mix is computed in int64 (tiny), the per-element sum in int32 (4 bytes per
+    element, one region at a time), so filling or checking gigabytes stays cheap in memory.
+    """
+    base = (seed * 1_000_003 + region * 7_919) % _M31
+    mix = (blocks.view(-1, 1) * 104_729 + base) % _M31
+    mix = (mix + heads.view(1, -1) * 15_485_863) % _M31
+    mix = ((mix * 2_654_435_761) % _M31) & 0xFFFF
+    t = torch.arange(layout.block_size * layout.head_size, dtype=torch.int32, device=mix.device)
+    values = (mix.to(torch.int32).unsqueeze(-1) + t) & 0xFFFF
+    values = values - ((values & 0x8000) << 1)  # to the signed 16-bit range, exactly
+    return values.to(torch.int16).view(len(blocks), len(heads), layout.block_size, layout.head_size)
+
+
+def _indices(
+    block_ids: list[int], head_start: int, head_count: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
+    heads = torch.arange(head_start, head_start + head_count, dtype=torch.int64, device=device)
+    return blocks, heads
+
+
 def pattern(
     engine_id: str,
     layout: KvLayout,
@@ -113,28 +139,22 @@ def pattern(
 ) -> torch.Tensor:
     """int16 content `[regions, len(block_ids), head_count, block_size, head_size]`."""
     seed = engine_seed(engine_id)
-    regions = torch.arange(layout.num_regions, dtype=torch.int64, device=device)
-    blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
-    heads = torch.arange(head_start, head_start + head_count, dtype=torch.int64, device=device)
-    mix = (seed * 1_000_003 + regions.view(-1, 1, 1) * 7_919) % _M31
-    mix = (mix + blocks.view(1, -1, 1) * 104_729) % _M31
-    mix = (mix + heads.view(1, 1, -1) * 15_485_863) % _M31
-    mix = (mix * 2_654_435_761) % _M31
-    t = torch.arange(layout.block_size * layout.head_size, dtype=torch.int64, device=device)
-    values = (mix.unsqueeze(-1) + t) & 0xFFFF
-    values = torch.where(values >= 0x8000, values - 0x10000, values).to(torch.int16)
-    return values.view(
-        layout.num_regions, len(block_ids), head_count, layout.block_size, layout.head_size
+    blocks, heads = _indices(block_ids, head_start, head_count, device)
+    return torch.stack(
+        [_region_pattern(seed, layout, r, blocks, heads) for r in range(layout.num_regions)]
     )
 
 
 def fill(cache: torch.Tensor, engine_id: str, layout: KvLayout, tp_size: int, rank: int) -> None:
     """Write this prefill rank's share: its heads of every block, for `engine_id`."""
-    heads = layout.local_heads(tp_size)
-    blocks = list(range(cache.shape[1]))
-    cache.view(torch.int16).copy_(
-        pattern(engine_id, layout, blocks, rank * heads, heads, device=cache.device)
+    heads_per_rank = layout.local_heads(tp_size)
+    seed = engine_seed(engine_id)
+    blocks, heads = _indices(
+        list(range(cache.shape[1])), rank * heads_per_rank, heads_per_rank, cache.device
     )
+    out = cache.view(torch.int16)
+    for region in range(layout.num_regions):
+        out[region].copy_(_region_pattern(seed, layout, region, blocks, heads))
 
 
 def verify(
@@ -147,16 +167,20 @@ def verify(
 ) -> int:
     """Compare a decode rank's buffer (block i = remote block `remote_block_ids[i]`) with what
     the prefill engine wrote for this rank's heads; returns the bytes checked."""
-    heads = layout.local_heads(tp_size)
+    heads_per_rank = layout.local_heads(tp_size)
+    seed = engine_seed(engine_id)
+    blocks, heads = _indices(remote_block_ids, rank * heads_per_rank, heads_per_rank, buffer.device)
     got = buffer[:, : len(remote_block_ids)].view(torch.int16)
-    want = pattern(engine_id, layout, remote_block_ids, rank * heads, heads, device=buffer.device)
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()
-        region, block, head = (int(x) for x in bad[0][:3])
-        raise ValueError(
-            f"{bad.shape[0]} of {got.numel()} elements differ; first at region {region}, "
-            f"remote block {remote_block_ids[block]}, global head {rank * heads + head}"
-        )
+    for region in range(layout.num_regions):
+        want = _region_pattern(seed, layout, region, blocks, heads)
+        if not torch.equal(got[region], want):
+            bad = (got[region] != want).nonzero()
+            block, head = (int(x) for x in bad[0][:2])
+            raise ValueError(
+                f"{bad.shape[0]} of {want.numel()} elements differ in region {region}; first "
+                f"at remote block {remote_block_ids[block]}, global head "
+                f"{rank * heads_per_rank + head}"
+            )
     return int(got.numel() * got.element_size())
 
 

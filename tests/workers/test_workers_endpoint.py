@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from workers.client import RegistryClient
-from workers.endpoint import NixlEndpoint, Publication, advertise_host, check_host_for_group
+from workers.endpoint import (
+    NixlEndpoint,
+    Publication,
+    RemoteRead,
+    advertise_host,
+    check_host_for_group,
+)
 from workers.errors import EngineIdMismatch, TransferError
 from workers.identity import EngineIdentity
 from workers.kv import KvLayout, fill, kv_spec, plan_reads, verify
@@ -48,11 +54,8 @@ def test_a_decode_agent_reads_verifies_and_notifies_a_prefill_agent_over_nixl() 
             remote_block_ids=[3, 1],
         )  # fmt: skip
         decode.read(
-            prefill.name,
-            op.local,
-            op.remote,
+            [RemoteRead(prefill.name, op.local, op.remote, "DRAM")],
             local_mem_type="DRAM",
-            remote_mem_type="DRAM",
             deadline_s=10,
         )
         assert verify(buffer, "engine-x", LAYOUT, 2, 1, [3, 1]) == op.nbytes
@@ -85,8 +88,11 @@ def test_a_read_from_an_unknown_agent_is_a_transfer_error() -> None:
     decode.register(buffer)
     try:
         with pytest.raises(TransferError):
-            decode.read("nobody", [(buffer.data_ptr(), 8, 0)], [(4096, 8, 0)],
-                        local_mem_type="DRAM", remote_mem_type="DRAM", deadline_s=1)  # fmt: skip
+            decode.read(
+                [RemoteRead("nobody", [(buffer.data_ptr(), 8, 0)], [(4096, 8, 0)], "DRAM")],
+                local_mem_type="DRAM",
+                deadline_s=1,
+            )
     finally:
         decode.close()
 
