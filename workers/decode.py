@@ -180,6 +180,7 @@ def read_round(
     except ValueError as exc:
         raise VerificationError(f"blocks from engine {engine_id}: {exc}") from exc
     nbytes = sum(op.nbytes for op in plan.ops)
+    heads = engines.layout.local_heads(info.world)
     message = f"verified by {me} rank {info.rank}: {len(engines.remote_blocks)} blocks".encode()
     for target in plan.handshake.targets:
         engines.endpoint.notify(target.agent_name, message)
@@ -187,6 +188,7 @@ def read_round(
         "engine_id": engine_id,
         "generation": plan.handshake.generation,
         "targets": [t.rank for t in plan.handshake.targets],
+        "heads": [info.rank * heads, (info.rank + 1) * heads - 1],
         "bytes": nbytes,
         "verified_bytes": checked,
         "transfer_s": seconds,

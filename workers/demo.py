@@ -247,8 +247,10 @@ def summarize(args: argparse.Namespace, report_dir: Path, codes: dict[str, int |
         ok = ok and good
         print(
             f"  decode rank {r['rank']}: engine_id {r.get('engine_id')} reads from "
-            f"{sorted({e for x in rounds for e in [x['engine_id']]})} ranks "
-            f"{rounds[0]['targets'] if rounds else '-'}: handshake {hs:.1f} ms, "
+            f"{sorted({x['engine_id'] for x in rounds})} ranks "
+            f"{rounds[0]['targets'] if rounds else '-'} (heads "
+            f"{'-'.join(map(str, rounds[0]['heads'])) if rounds else '-'}): handshake "
+            f"{hs:.1f} ms, "
             f"{len(rounds)} rounds, {moved} bytes, {verified} verified, status "
             f"{r.get('status')}"
         )
