@@ -229,6 +229,7 @@ class Publication:
         self.on_superseded = on_superseded
         self.superseded = threading.Event()
         self.reregistrations = 0
+        self.published = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -244,6 +245,7 @@ class Publication:
             kv=self.kv,
             ttl_s=self.ttl_s,
         )
+        self.published = True
         return created
 
     def start(self) -> None:
@@ -292,7 +294,7 @@ class Publication:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5)
             self._thread = None
-        if deregister and not self.superseded.is_set():
+        if deregister and self.published and not self.superseded.is_set():
             try:
                 self._client.deregister_agent(
                     self.identity.group_id,

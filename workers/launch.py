@@ -225,7 +225,14 @@ def publish(
             ttl_s=args.ttl_s,
             on_superseded=on_superseded,
         )
-        publication.publish()
+        if identity.source == "fallback":
+            log.warning(
+                "NOT PUBLISHED: engine %s is rank 0's fallback id, unknown to any registry; "
+                "decode instances cannot find this rank through the registry",
+                identity.engine_id,
+            )
+        else:
+            publication.publish()
     except EngineIdMismatch as exc:
         ok, cause, detail = False, f"registry_refused:{exc.cause}", exc.detail or str(exc)
     except (ProblemError, RegistryError) as exc:
@@ -246,5 +253,6 @@ def publish(
             publication.close(deregister=ok)
         raise
     assert publication is not None
-    publication.start()
+    if publication.published:
+        publication.start()
     return publication

@@ -13,7 +13,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.workers_support import Launch, launched, logs, reports, start_group, wait_all
+from tests.e2e.workers_support import (
+    Launch,
+    free_port,
+    launched,
+    logs,
+    reports,
+    start_group,
+    wait_all,
+)
 
 pytest_plugins = ["tests.e2e.conftest_workers"]
 pytestmark = pytest.mark.timeout(120)
@@ -134,3 +142,21 @@ def test_a_serving_prefill_superseded_by_a_newer_launch_stops_loudly_on_its_next
     assert report["engine_id"] == old
     assert report["status"] == "superseded"
     assert "IS SUPERSEDED" in prefill[0].log()
+
+
+def test_with_fallback_allowed_an_unreachable_registry_leaves_every_node_on_rank_zeros_id(
+    tmp_path: Path,
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    prefill = start_group(
+        "prefill", tmp_path, group_id="pf", registry=dead, tp=2, nodes=2,
+        args=["--allow-fallback", "--timeout-s", "1", "--serve-s", "1"],
+    )  # fmt: skip
+    with launched(prefill):
+        assert wait_all(prefill, 90) == [0, 0], logs(prefill)
+
+    found = reports(tmp_path, "prefill", "pf")
+    assert [r["engine_id_source"] for r in found] == ["fallback", "fallback"]
+    assert found[0]["engine_id"] == found[1]["engine_id"]
+    assert "REGISTRY UNREACHABLE" in prefill[0].log()
+    assert all("NOT PUBLISHED" in launch.log() for launch in prefill)
