@@ -168,13 +168,26 @@ def process(
             out.close()  # type: ignore[union-attr]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process (all its threads) has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Server(str):
+    """A server's base URL that also carries its process id (for CPU accounting)."""
+
+    pid: int
+
+
 @contextlib.contextmanager
-def registry_server(store: str, *, log: Path | None = None) -> Iterator[str]:
+def registry_server(store: str, *, log: Path | None = None) -> Iterator[Server]:
     """``python -m app serve`` on a free loopback port with its default settings."""
     port = free_port()
     cmd = [sys.executable, "-m", "app", "serve", "--host", HOST, "--port", str(port)]
     with process([*cmd, "--store", store], log=log) as proc:
-        url = f"http://{HOST}:{port}"
+        url = Server(f"http://{HOST}:{port}")
+        url.pid = proc.pid
         wait_http(f"{url}/healthz", 30.0, proc)
         yield url
 

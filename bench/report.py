@@ -31,27 +31,62 @@ def _machine(info: dict[str, Any]) -> list[str]:
     ]
 
 
+def _cpu_per_request(row: dict[str, Any]) -> str:
+    cpu = row.get("server_cpu_s")
+    return f"{cpu / row['requests'] * 1000:.2f}" if cpu else "-"
+
+
+def _ratios(s: dict[str, Any]) -> list[str]:
+    """Our storm throughput as a ratio to each baseline, size by size."""
+    c = s.get("ceilings", {}).get("fastapi")
+    lines = [
+        "### Storm throughput as a ratio to the baselines",
+        "",
+        "| store | ranks | ranks/s vs etcd direct | req/s vs FastAPI PUT ceiling (aiohttp) "
+        "| req/s vs FastAPI GET ceiling (wrk) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key, label in (("registry_sqlite", "SQLite"), ("registry_etcd", "etcd")):
+        for n, row in s.get(key, {}).items():
+            if "failed" in row:
+                continue
+            base = s.get("etcd_direct", {}).get(n, {})
+            vs_etcd = (
+                f"{row['ranks_per_s'] / base['ranks_per_s']:.2f}" if "ranks_per_s" in base else "-"
+            )
+            put = get = "-"
+            if c:
+                put = f"{row['requests_per_s'] / c['put_aiohttp']['requests_per_s']:.2f}"
+                get = f"{row['requests_per_s'] / c['get_wrk_rps']:.2f}"
+            lines.append(f"| {label} | {int(n):,} | {vs_etcd} | {put} | {get} |")
+    return [*lines, ""]
+
+
 def _storm(s: dict[str, Any]) -> list[str]:
     lines = [
         f"### Launch storm (TP {s['tp']}, half prefill / half decode groups, heartbeats every "
         f"{s['heartbeat_s']} s; p50 / p99 ms per operation, client-side)",
         "",
         "| system | ranks | ready (s) | ranks/s to ready | all handshakes (s) | req/s | "
-        + " | ".join(OPS)
-        + " | errors |",
-        "|---|---:|---:|---:|---:|---:|" + "---:|" * len(OPS) + "---|",
+        "server CPU ms/req | " + " | ".join(OPS) + " | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(OPS) + "---|",
     ]
     names = {
         "registry_sqlite": "registry, SQLite",
+        "registry_sqlite_paced": f"registry, SQLite, launches paced over {s.get('paced_s', 8):g} s",
         "registry_etcd": "registry, etcd",
         "etcd_direct": "etcd direct (aetcd)",
     }
     for key, label in names.items():
         for n, row in s.get(key, {}).items():
+            if "failed" in row:
+                lines.append(f"| {label} | {int(n):,} | failed: {row['failed']} |")
+                continue
             errors = ", ".join(f"{k}: {v}" for k, v in row["errors"].items()) or "none"
             lines.append(
                 f"| {label} | {int(n):,} | {row['ready_s']:.2f} | {row['ranks_per_s']:,.0f} | "
                 f"{row['handshakes_done_s']:.2f} | {row['requests_per_s']:,.0f} | "
+                f"{_cpu_per_request(row)} | "
                 + " | ".join(_ops(row, op) for op in OPS)
                 + f" | {errors} |"
             )
@@ -132,7 +167,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     out: list[tuple[str, str, str, bool | None]] = []
     s = results.get("storm", {})
     row = s.get("registry_sqlite", {}).get("1024")
-    if row:
+    if row and "failed" not in row:
         out.append(
             ("1,024 ranks ready on SQLite ≤ 2 s", f"{row['ready_s']:.2f} s",
              f"{2 / row['ready_s']:.2f}x of target", row["ready_s"] <= 2.0)
@@ -144,7 +179,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
         )  # fmt: skip
     for n, ours in s.get("registry_sqlite", {}).items():
         base = s.get("etcd_direct", {}).get(n)
-        if base:
+        if base and "failed" not in base and "failed" not in ours:
             ratio = ours["ranks_per_s"] / base["ranks_per_s"]
             out.append(
                 (f"storm ranks/s ≥ etcd direct ({int(n):,} ranks)",
@@ -193,6 +228,7 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
         lines.append("")
     if "storm" in results:
         lines += _storm(results["storm"])
+        lines += _ratios(results["storm"])
     if "handshake" in results:
         lines += _handshake(results["handshake"])
     if "transfer" in results:

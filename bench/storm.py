@@ -7,12 +7,16 @@ i). Every rank is one coroutine of one aiohttp client process (the server runs i
    broadcast (an in-process event, as torch.distributed would carry it), then fetch and
    cross-verify the engine (``GET /tp-groups/{g}/engine``);
 2. every rank registers its agent (``PUT …/agents/{rank}``) with a metadata blob of 4 KiB to
-   256 KiB (log-uniform, fixed seed) and starts heartbeating (every ``HEARTBEAT_S``);
+   256 KiB (log-uniform, fixed seed) and starts heartbeating (every ``HEARTBEAT_S``, a third
+   of its ``TTL_S``, the first at a random phase);
 3. every decode rank resolves its prefill group (``GET …/engine?wait_ready=30``, held until
    ready) and asks for its handshake plan (``POST /engines/{id}/handshake``).
 
 The storm is over when every handshake has answered 200. "Ranks/s to ready" counts every
 rank over the time until the last group became ready (its last registration answered).
+Since every rank arrives at once, a request's latency is mostly its wait in the queue; a
+paced row (1,024 ranks, groups launching evenly over ``PACED_S``) shows per-operation latency
+when the offered load stays below what the service sustains.
 
 Baselines in the same run:
 
@@ -46,13 +50,23 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import HOST, free_port, process, registry_server, say, summary_ms, wait_http
+from bench.common import (
+    HOST,
+    cpu_seconds,
+    free_port,
+    process,
+    registry_server,
+    say,
+    summary_ms,
+    wait_http,
+)
 
 TP = 8
-HEARTBEAT_S = 1.0
-TTL_S = 10
+HEARTBEAT_S = 5.0
+TTL_S = 15
 BLOB_MIN, BLOB_MAX = 4 * 1024, 256 * 1024
-STORM_TIMEOUT_S = 120.0
+STORM_TIMEOUT_S = 300.0
+PACED_S = 8.0
 COMPAT: dict[str, Any] = {
     "model": "llama-3-8b",
     "dtype": "bfloat16",
@@ -107,8 +121,10 @@ def _groups(ranks: int) -> list[tuple[str, str, int]]:
 
 
 class HttpStorm:
-    def __init__(self, url: str, ranks: int, connections: int) -> None:
+    def __init__(self, url: str, ranks: int, connections: int, spread_s: float = 0.0) -> None:
         self.url = url
+        # 0: every rank starts at once (the storm); else groups launch evenly over spread_s.
+        self.spread_s = spread_s
         self.groups = _groups(ranks)
         self.ranks = len(self.groups) * TP
         self.connections = connections
@@ -121,6 +137,7 @@ class HttpStorm:
         self.stop = asyncio.Event()
         self.heartbeats: list[asyncio.Task[None]] = []
         self.t0 = 0.0
+        self.cpu: dict[str, float | None] = {}
 
     async def _call(
         self, s: aiohttp.ClientSession, op: str, method: str, path: str, body: Any = None
@@ -154,8 +171,18 @@ class HttpStorm:
             delay = HEARTBEAT_S
 
     async def _rank(
-        self, s: aiohttp.ClientSession, index: int, gid: str, role: str, pair: int, rank: int
+        self,
+        s: aiohttp.ClientSession,
+        w: aiohttp.ClientSession,
+        index: int,
+        gid: str,
+        role: str,
+        pair: int,
+        rank: int,
     ) -> None:
+        if self.spread_s:
+            order = int(gid.split("-")[1]) * 2 + (role == "decode")
+            await asyncio.sleep(order / len(self.groups) * self.spread_s)
         if rank == 0:
             body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
             status, engine = await self._call(s, "open", "PUT", f"/tp-groups/{gid}/engine", body)
@@ -194,7 +221,7 @@ class HttpStorm:
         remote = ""
         for _ in range(1000):
             status, engine = await self._call(
-                s, "wait_ready", "GET", f"/tp-groups/{prefill}/engine?wait_ready=30"
+                w, "wait_ready", "GET", f"/tp-groups/{prefill}/engine?wait_ready=30"
             )
             if status == 200 and engine["ready"]:
                 remote = engine["engine_id"]
@@ -216,9 +243,15 @@ class HttpStorm:
     async def run(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         self.opened = {gid: loop.create_future() for gid, _, _ in self.groups}
+        # Held requests (wait_ready) get their own connections, as each real rank has its
+        # own: sharing one bounded pool would starve the registrations they wait for.
         connector = aiohttp.TCPConnector(limit=self.connections)
-        timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+        held = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as s,
+            aiohttp.ClientSession(connector=held, timeout=timeout) as w,
+        ):
             # Warm the connection pool's first connection and the server's first request.
             async with s.get(self.url + "/healthz") as r:
                 await r.read()
@@ -226,14 +259,21 @@ class HttpStorm:
                 (gid, role, pair, rank) for gid, role, pair in self.groups for rank in range(TP)
             ]
             random.Random(1).shuffle(jobs)
+            pid = getattr(self.url, "pid", None)
+            server_cpu = cpu_seconds(pid) if pid else 0.0
+            client_cpu = time.process_time()
             self.t0 = time.perf_counter()
-            tasks = [self._rank(s, i, *job) for i, job in enumerate(jobs)]
+            tasks = [self._rank(s, w, i, *job) for i, job in enumerate(jobs)]
             try:
                 await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S)
             finally:
                 done = time.perf_counter() - self.t0
                 self.stop.set()
                 await asyncio.gather(*self.heartbeats, return_exceptions=True)
+            self.cpu = {
+                "client_cpu_s": round(time.process_time() - client_cpu, 3),
+                "server_cpu_s": round(cpu_seconds(pid) - server_cpu, 3) if pid else None,
+            }
         return self._report(done)
 
     def _report(self, done: float) -> dict[str, Any]:
@@ -253,11 +293,15 @@ class HttpStorm:
                 summary_ms(self.rec.ops[op])["p99_ms"] for op in TARGET_OPS if self.rec.ops[op]
             ),
             "errors": dict(self.rec.errors),
+            **self.cpu,
         }
 
 
-def http_storm(url: str, ranks: int, connections: int = 512) -> dict[str, Any]:
-    return asyncio.run(HttpStorm(url, ranks, connections).run())
+def http_storm(
+    url: str, ranks: int, connections: int = 1024, spread_s: float = 0.0
+) -> dict[str, Any]:
+    result = asyncio.run(HttpStorm(url, ranks, connections, spread_s).run())
+    return result | ({"spread_s": spread_s} if spread_s else {})
 
 
 # -- etcd direct ---------------------------------------------------------------------------------
@@ -476,8 +520,7 @@ def _etcd_rows(sizes: list[int], results: dict[str, Any], tmp: Path, note: list[
         endpoint = cluster.endpoints[0]
         for n in sizes:
             say(f"  etcd direct (aetcd), {n} ranks")
-            results["etcd_direct"][str(n)] = etcd_storm(endpoint, n)
-            _show(results["etcd_direct"][str(n)])
+            results["etcd_direct"][str(n)] = _guarded(lambda n=n: etcd_storm(endpoint, n))
         ok, why = etcd_store_available()
         if not ok:
             note.append(f"registry-on-etcd rows skipped: {why}")
@@ -486,14 +529,26 @@ def _etcd_rows(sizes: list[int], results: dict[str, Any], tmp: Path, note: list[
             say(f"  registry on etcd, {n} ranks")
             url = cluster.url(f"bench-{uuid.uuid4().hex[:8]}")
             with registry_server(url, log=tmp / f"registry-etcd-{n}.log") as http:
-                results["registry_etcd"][str(n)] = http_storm(http, n)
-            _show(results["registry_etcd"][str(n)])
+                results["registry_etcd"][str(n)] = _guarded(lambda n=n: http_storm(http, n))
+
+
+def _guarded(storm: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one storm; a failure (timeout, refused connections) becomes a row saying so."""
+    try:
+        row = storm()
+    except Exception as exc:  # recorded and reported; the other rows still run
+        row = {"failed": f"{type(exc).__name__}: {exc}"[:300]}
+        say(f"    FAILED: {row['failed']}")
+        return row
+    _show(row)
+    return row
 
 
 def _show(row: dict[str, Any]) -> None:
+    cpu = f", server CPU {row['server_cpu_s']} s" if row.get("server_cpu_s") else ""
     say(
         f"    ready in {row['ready_s']} s ({row['ranks_per_s']} ranks/s), "
-        f"{row['requests_per_s']} req/s, worst per-op p99 {row['target_ops_p99_ms']} ms, "
+        f"{row['requests_per_s']} req/s, worst per-op p99 {row['target_ops_p99_ms']} ms{cpu}, "
         f"errors {row['errors'] or 'none'}"
     )
 
@@ -504,7 +559,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "sizes": sizes,
         "tp": TP,
         "heartbeat_s": HEARTBEAT_S,
+        "paced_s": PACED_S,
         "registry_sqlite": {},
+        "registry_sqlite_paced": {},
         "registry_etcd": {},
         "etcd_direct": {},
         "notes": [],
@@ -515,8 +572,14 @@ def run(quick: bool = False) -> dict[str, Any]:
             say(f"  registry on SQLite, {n} ranks")
             store = f"sqlite:///{tmp}/storm-{n}.db"
             with registry_server(store, log=tmp / f"registry-sqlite-{n}.log") as url:
-                results["registry_sqlite"][str(n)] = http_storm(url, n)
-            _show(results["registry_sqlite"][str(n)])
+                results["registry_sqlite"][str(n)] = _guarded(lambda n=n: http_storm(url, n))
+        # The same load arriving over PACED_S instead of at once: latency without the queue.
+        if not quick:
+            say(f"  registry on SQLite, 1024 ranks launching evenly over {PACED_S:g} s")
+            with registry_server(f"sqlite:///{tmp}/paced.db", log=tmp / "paced.log") as url:
+                results["registry_sqlite_paced"]["1024"] = _guarded(
+                    lambda: http_storm(url, 1024, spread_s=PACED_S)
+                )
         _etcd_rows(sizes, results, tmp, results["notes"])
     results["ceilings"] = ceilings(quick)
     return results
