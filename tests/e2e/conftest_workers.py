@@ -17,12 +17,12 @@ def _serve(tmp_path: Path, name: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def registry(tmp_path: Path) -> Iterator[str]:
+def registry_url(tmp_path: Path) -> Iterator[str]:
     """URL of a real registry process on loopback (fresh SQLite file, no tokens)."""
     yield from _serve(tmp_path, "registry")
 
 
 @pytest.fixture
-def other_registry(tmp_path: Path) -> Iterator[str]:
+def other_registry_url(tmp_path: Path) -> Iterator[str]:
     """A second, unrelated registry: it never issued the first one's engine ids."""
     yield from _serve(tmp_path, "other-registry")

@@ -23,8 +23,8 @@ def register(client: RegistryClient, group: str, rank: int, engine_id: str) -> b
     return created
 
 
-def test_the_client_walks_the_whole_contract_against_a_real_registry(registry: str) -> None:
-    with RegistryClient(registry, timeout_s=10) as client:
+def test_the_client_walks_the_whole_contract_against_a_real_registry(registry_url: str) -> None:
+    with RegistryClient(registry_url, timeout_s=10) as client:
         assert client.healthz()
         assert client.readyz()
         engine, created = client.open_engine(
@@ -82,20 +82,20 @@ def test_the_client_walks_the_whole_contract_against_a_real_registry(registry: s
             client.resolve_engine(newer.engine_id)
 
 
-def test_a_dead_replica_first_in_the_list_costs_one_failed_connect(registry: str) -> None:
+def test_a_dead_replica_first_in_the_list_costs_one_failed_connect(registry_url: str) -> None:
     from tests.e2e.workers_support import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
-    with RegistryClient([dead, registry], timeout_s=10) as client:
+    with RegistryClient([dead, registry_url], timeout_s=10) as client:
         engine, _ = client.open_engine("g", launch_id="x", tp_size=1, role="both")
-        assert client.url == registry
+        assert client.url == registry_url
         assert client.resolve_engine(engine.engine_id).group_id == "g"
 
 
 def test_engine_ids_cause_mismatch_with_the_cause_the_registry_names(
-    registry: str, other_registry: str
+    registry_url: str, other_registry_url: str
 ) -> None:
-    with RegistryClient(registry) as here, RegistryClient(other_registry) as there:
+    with RegistryClient(registry_url) as here, RegistryClient(other_registry_url) as there:
         mine, _ = here.open_engine("a", launch_id="1", tp_size=1, role="prefill")
         other, _ = here.open_engine("b", launch_id="1", tp_size=1, role="prefill")
         foreign, _ = there.open_engine("a", launch_id="1", tp_size=1, role="prefill")

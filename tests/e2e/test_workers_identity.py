@@ -56,10 +56,10 @@ def agent_ranks(url: str, group_id: str) -> list[int]:
 
 
 def test_bug_reproduced_each_node_makes_up_its_own_engine_id_and_the_registry_refuses_them(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
     found = run_failing_prefill(
-        tmp_path, group_id="pf", registry=registry, args=("--engine-id-source", "local")
+        tmp_path, group_id="pf", registry=registry_url, args=("--engine-id-source", "local")
     )
 
     node_ids = [r["engine_id"] for r in found]
@@ -68,32 +68,34 @@ def test_bug_reproduced_each_node_makes_up_its_own_engine_id_and_the_registry_re
         assert r["status"] == "refused"
         assert r["causes"] == {"0": "registry_refused:unknown", "1": "registry_refused:unknown"}
         assert "never issued" in r["error"]
-    assert agent_ranks(registry, "pf") == []
+    assert agent_ranks(registry_url, "pf") == []
 
 
 def test_nodes_pointed_at_different_registries_fail_the_cross_verify_on_every_rank(
-    tmp_path: Path, registry: str, other_registry: str
+    tmp_path: Path, registry_url: str, other_registry_url: str
 ) -> None:
-    found = run_failing_prefill(tmp_path, group_id="pf", registry=[registry, other_registry])
+    found = run_failing_prefill(
+        tmp_path, group_id="pf", registry=[registry_url, other_registry_url]
+    )
 
     for r in found:
         assert r["status"] == "identity_failed"
         assert r["causes"] == {"1": "different_registry"}
-        assert other_registry in r["error"]
+        assert other_registry_url in r["error"]
         assert "never issued" in r["error"]
-    assert agent_ranks(registry, "pf") == []
+    assert agent_ranks(registry_url, "pf") == []
 
 
 def test_a_group_id_differing_on_one_node_fails_the_cross_verify_on_every_rank(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
-    found = run_failing_prefill(tmp_path, group_id=["pf", "pf-typo"], registry=registry)
+    found = run_failing_prefill(tmp_path, group_id=["pf", "pf-typo"], registry=registry_url)
 
     for r in found:
         assert r["status"] == "identity_failed"
         assert r["causes"] == {"1": "different_group"}
         assert "'pf-typo'" in r["error"]
-    assert agent_ranks(registry, "pf") == []
+    assert agent_ranks(registry_url, "pf") == []
 
 
 def wait_until_ready(http: httpx.Client, group_id: str, launches: list[Launch]) -> Any:
@@ -108,13 +110,13 @@ def wait_until_ready(http: httpx.Client, group_id: str, launches: list[Launch]) 
 
 
 def test_a_group_on_two_nodes_agrees_on_the_registry_issued_engine_id(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry, tp=2, nodes=2,
+        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=2, nodes=2,
         args=["--serve-s", "60"],
     )  # fmt: skip
-    with launched(prefill), httpx.Client(base_url=registry, timeout=70) as http:
+    with launched(prefill), httpx.Client(base_url=registry_url, timeout=70) as http:
         engine = wait_until_ready(http, "pf", prefill)
         assert engine["registered_ranks"] == [0, 1]
         found = reports(tmp_path, "prefill", "pf")
@@ -123,13 +125,13 @@ def test_a_group_on_two_nodes_agrees_on_the_registry_issued_engine_id(
 
 
 def test_a_serving_prefill_superseded_by_a_newer_launch_stops_loudly_on_its_next_heartbeat(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry, tp=1,
+        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
         args=["--serve-s", "60", "--ttl-s", "5"],
     )  # fmt: skip
-    with launched(prefill), httpx.Client(base_url=registry, timeout=70) as http:
+    with launched(prefill), httpx.Client(base_url=registry_url, timeout=70) as http:
         old = wait_until_ready(http, "pf", prefill)["engine_id"]
         newer = http.put(
             "/tp-groups/pf/engine",

@@ -56,9 +56,9 @@ def assert_every_byte_verified(decode: list[dict[str, Any]], engine_id: object) 
 
 
 def test_decode_with_same_tp_reads_verified_blocks_from_a_prefill_split_over_two_nodes(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
-    prefill, decode = run_pd(tmp_path, registry, prefill_tp=2, prefill_nodes=2, decode_tp=2)
+    prefill, decode = run_pd(tmp_path, registry_url, prefill_tp=2, prefill_nodes=2, decode_tp=2)
 
     assert [r["node"] for r in prefill] == [0, 1]
     engine_ids = {r["engine_id"] for r in prefill}
@@ -70,9 +70,9 @@ def test_decode_with_same_tp_reads_verified_blocks_from_a_prefill_split_over_two
 
 
 def test_decode_with_larger_tp_reads_its_head_slice_of_the_one_prefill_rank(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
-    prefill, decode = run_pd(tmp_path, registry, prefill_tp=1, prefill_nodes=1, decode_tp=2)
+    prefill, decode = run_pd(tmp_path, registry_url, prefill_tp=1, prefill_nodes=1, decode_tp=2)
 
     assert_every_byte_verified(decode, prefill[0]["engine_id"])
     assert [r["rounds"][0]["targets"] for r in decode] == [[0], [0]]
@@ -83,9 +83,9 @@ def test_decode_with_larger_tp_reads_its_head_slice_of_the_one_prefill_rank(
 
 
 def test_decode_with_smaller_tp_gathers_whole_blocks_from_several_prefill_ranks(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
-    prefill, decode = run_pd(tmp_path, registry, prefill_tp=2, prefill_nodes=1, decode_tp=1)
+    prefill, decode = run_pd(tmp_path, registry_url, prefill_tp=2, prefill_nodes=1, decode_tp=1)
 
     assert_every_byte_verified(decode, prefill[0]["engine_id"])
     assert decode[0]["rounds"][0]["targets"] == [0, 1]
@@ -94,14 +94,14 @@ def test_decode_with_smaller_tp_gathers_whole_blocks_from_several_prefill_ranks(
 
 
 def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_the_new_engine(
-    tmp_path: Path, registry: str
+    tmp_path: Path, registry_url: str
 ) -> None:
     first = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry, tp=1,
+        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
         args=["--serve-s", "90"],
     )  # fmt: skip
     decode = start_group(
-        "decode", tmp_path, group_id="dc", registry=registry, tp=1,
+        "decode", tmp_path, group_id="dc", registry=registry_url, tp=1,
         args=["--prefill-group", "pf", "--rounds", "2", "--until-engines", "2",
               "--round-interval-s", "0.3", "--deadline-s", "90", "--handshake-timeout-s", "30"],
     )  # fmt: skip
@@ -112,13 +112,13 @@ def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_th
         wait_all(first, 30)  # torchrun itself exits non-zero on SIGTERM; the rank reports
         stopped = read_reports(tmp_path, "prefill", "pf")[0]
         assert stopped["status"] == "done", logs(first)
-        with httpx.Client(base_url=registry, timeout=10) as http:
+        with httpx.Client(base_url=registry_url, timeout=10) as http:
             engine = http.get("/tp-groups/pf/engine").json()
         assert engine["engine_id"] == old_engine
         assert engine["registered_ranks"] == [], "a clean SIGTERM shutdown deregisters"
 
         second = start_group(
-            "prefill", tmp_path, group_id="pf", registry=registry, tp=1,
+            "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
             args=["--serve-s", "90"],
         )  # fmt: skip
         with launched(second):
@@ -134,7 +134,7 @@ def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_th
     assert last["generation"] == 2
     assert last["bytes"] == last["verified_bytes"] > 0
     assert "answered 410" in decode[0].log()
-    with httpx.Client(base_url=registry, timeout=10) as http:
+    with httpx.Client(base_url=registry_url, timeout=10) as http:
         gone = http.get(f"/engines/{old_engine}")
     assert gone.status_code == 410
     assert gone.json()["current_engine_id"] == new["engine_id"]
