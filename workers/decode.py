@@ -32,6 +32,8 @@ from workers.endpoint import NixlEndpoint, RemoteRead, stop_on_signals
 from workers.errors import (
     EngineIdentityError,
     EngineSuperseded,
+    Incompatible,
+    InvalidRequest,
     NotFound,
     NotReady,
     RegistryUnavailable,
@@ -124,8 +126,14 @@ class RemoteEngines:
             local_block_ids=self.local_blocks,
             remote_block_ids=self.remote_blocks,
         )
-        for target in hs.targets:
-            self.endpoint.add_remote(target)
+        loaded: list[str] = []
+        try:
+            for target in hs.targets:
+                loaded.append(self.endpoint.add_remote(target))
+        except Exception:
+            for name in loaded:  # all of an engine's agents or none
+                self.endpoint.remove_remote(name)
+            raise
         plan = Plan(hs, ops, time.perf_counter() - start)
         self.plans[engine_id] = plan
         log.info(
@@ -233,6 +241,11 @@ def pull(
                 return launch.EXIT_TRANSFER
             engine_id = exc.current_engine_id
             continue
+        except (Incompatible, InvalidRequest, NotFound, ValueError) as exc:
+            # Facts, not weather: a retry would get the same answer.
+            log.error("CANNOT READ FROM ENGINE %s: %s", engine_id, exc)
+            reporter.update(status="refused", error=str(exc), rounds=rounds)
+            return launch.EXIT_TRANSFER
         except (TransferError, NotReady, RegistryUnavailable) as exc:
             failures += 1
             log.warning("round failed (%s); evicting engine %s and retrying", exc, engine_id)
@@ -330,7 +343,10 @@ def run(args: argparse.Namespace) -> int:
             log.error("VERIFICATION FAILED: %s", exc)
             reporter.update(status="verification_failed", error=str(exc))
             return launch.EXIT_TRANSFER
-        reporter.update(status="done" if code == launch.EXIT_OK else "failed", exit_code=code)
+        if code == launch.EXIT_OK:
+            reporter.update(status="done", exit_code=code)
+        elif reporter.data.get("status") != "refused":
+            reporter.update(status="failed", exit_code=code)
         return code
     finally:
         if engines is not None:

@@ -5,7 +5,8 @@ is group-wide, because the outcome is agreed on collectively):
 
     0  done, every byte verified        3  the registry refused the agents' registration
     1  unexpected error                 4  superseded by a newer launch while serving
-    2  the engine_id cross-verify failed  5  a transfer or verification failed
+    2  the engine_id cross-verify failed  5  nothing verified: a transfer or verification
+                                          failed, or the handshake was refused
 """
 
 from __future__ import annotations

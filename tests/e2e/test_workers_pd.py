@@ -138,3 +138,22 @@ def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_th
         gone = http.get(f"/engines/{old_engine}")
     assert gone.status_code == 410
     assert gone.json()["current_engine_id"] == new["engine_id"]
+
+
+def test_a_decode_whose_kv_layout_differs_is_refused_at_the_handshake_and_reads_nothing(
+    tmp_path: Path, registry_url: str
+) -> None:
+    prefill = start_group(
+        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1, args=["--serve-s", "60"]
+    )
+    decode = start_group(
+        "decode", tmp_path, group_id="dc", registry=registry_url, tp=1,
+        args=["--prefill-group", "pf", "--block-size", "8", "--deadline-s", "60"],
+    )  # fmt: skip
+    with launched(prefill, decode):
+        assert wait_all(decode, 90) != [0]
+    (report,) = read_reports(tmp_path, "decode", "dc")
+    assert report["status"] == "refused"
+    assert "incompatible" in report["error"]
+    assert report["rounds"] == []
+    assert "CANNOT READ FROM ENGINE" in decode[0].log()
