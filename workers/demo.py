@@ -219,7 +219,11 @@ def summarize(args: argparse.Namespace, report_dir: Path, codes: dict[str, int |
     print("\n==== summary ====", flush=True)
     print(
         f"prefill TP {args.prefill_tp} over {args.prefill_nodes} node(s); "
-        f"decode TP {args.decode_tp} over {args.decode_nodes} node(s)"
+        + (
+            f"decode TP {args.decode_tp} over {args.decode_nodes} node(s)"
+            if decode
+            else "decode not started: no prefill engine to read from"
+        )
     )
     for r in prefill:
         print(
