@@ -62,8 +62,8 @@ from bench.common import (
 )
 
 TP = 8
-HEARTBEAT_S = 5.0
-TTL_S = 15
+HEARTBEAT_S = 10.0
+TTL_S = 30
 BLOB_MIN, BLOB_MAX = 4 * 1024, 256 * 1024
 STORM_TIMEOUT_S = 300.0
 PACED_S = 8.0
@@ -155,7 +155,13 @@ class HttpStorm:
         return status, answer
 
     async def _heartbeat(
-        self, s: aiohttp.ClientSession, gid: str, rank: int, eid: str, phase: float
+        self,
+        s: aiohttp.ClientSession,
+        gid: str,
+        rank: int,
+        eid: str,
+        agent: dict[str, Any],
+        phase: float,
     ) -> None:
         delay = phase
         for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
@@ -164,10 +170,14 @@ class HttpStorm:
                 return
             except TimeoutError:
                 pass
-            await self._call(
+            status, _ = await self._call(
                 s, "heartbeat", "POST", f"/tp-groups/{gid}/engine/agents/{rank}/heartbeat",
                 {"engine_id": eid},
             )  # fmt: skip
+            if status == 404:  # the lease expired meanwhile: register again, as workers do
+                await self._call(
+                    s, "reregister", "PUT", f"/tp-groups/{gid}/engine/agents/{rank}", agent
+                )
             delay = HEARTBEAT_S
 
     async def _rank(
@@ -214,21 +224,23 @@ class HttpStorm:
         if self.registered[gid] == TP:
             self.ready_at[gid] = time.perf_counter() - self.t0
         phase = random.Random(index).uniform(0, HEARTBEAT_S)
-        self.heartbeats.append(asyncio.create_task(self._heartbeat(s, gid, rank, eid, phase)))
+        self.heartbeats.append(
+            asyncio.create_task(self._heartbeat(s, gid, rank, eid, agent, phase))
+        )
         if role != "decode":
             return
+        # Wait until the prefill group is ready, then ask for the plan; a 503 (a target's
+        # lease lapsed meanwhile) sends the rank back to waiting, as a decode worker would.
         prefill = f"prefill-{pair}"
-        remote = ""
-        for _ in range(1000):
+        body = {"tp_size": TP, "rank": rank, "compat": COMPAT}
+        for _ in range(200):
             status, engine = await self._call(
                 w, "wait_ready", "GET", f"/tp-groups/{prefill}/engine?wait_ready=30"
             )
-            if status == 200 and engine["ready"]:
-                remote = engine["engine_id"]
-                break
-            await asyncio.sleep(0.02)
-        body = {"tp_size": TP, "rank": rank, "compat": COMPAT}
-        for _ in range(1000):
+            if status != 200 or not engine["ready"]:
+                await asyncio.sleep(0.05)
+                continue
+            remote = engine["engine_id"]
             status, plan = await self._call(
                 s, "handshake", "POST", f"/engines/{remote}/handshake", body
             )
@@ -237,7 +249,6 @@ class HttpStorm:
                     raise RuntimeError(f"bad plan for {gid}/{rank}: {plan['targets'][0]['rank']}")
                 self.handshake_done.append(time.perf_counter() - self.t0)
                 return
-            await asyncio.sleep(0.02)
         raise RuntimeError(f"handshake {gid}/{rank} never answered 200")
 
     async def run(self) -> dict[str, Any]:
