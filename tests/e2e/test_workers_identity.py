@@ -162,3 +162,20 @@ def test_with_fallback_allowed_an_unreachable_registry_leaves_every_node_on_rank
     assert found[0]["engine_id"] == found[1]["engine_id"]
     assert "REGISTRY UNREACHABLE" in prefill[0].log()
     assert all("NOT PUBLISHED" in launch.log() for launch in prefill)
+
+
+def test_a_serving_rank_whose_agent_vanished_registers_again_on_its_next_heartbeat(
+    tmp_path: Path, registry_url: str
+) -> None:
+    prefill = start_group(
+        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
+        args=["--serve-s", "60", "--ttl-s", "5"],
+    )  # fmt: skip
+    with launched(prefill), httpx.Client(base_url=registry_url, timeout=70) as http:
+        engine_id = wait_until_ready(http, "pf", prefill)["engine_id"]
+        gone = http.delete("/tp-groups/pf/engine/agents/0", params={"engine_id": engine_id})
+        assert gone.status_code == 204
+        assert http.get("/tp-groups/pf/engine").json()["registered_ranks"] == []
+        again = wait_until_ready(http, "pf", prefill)
+        assert again["engine_id"] == engine_id
+    assert "registering again" in prefill[0].log()
