@@ -18,7 +18,9 @@ def run(factory: StoreFactory, tmp_path: Path, body: object) -> None:
     asyncio.run(main())
 
 
-def test_put_then_get_returns_value_and_revision(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_put_then_get_returns_value_and_revision(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         assert await store.get("a") is None
         result = await store.txn([], [Put("a", b"1")])
@@ -50,7 +52,9 @@ def test_compare_on_absent_key_lets_exactly_one_creator_win(
 def test_failed_compare_changes_nothing(store_factory: StoreFactory, tmp_path: Path) -> None:
     async def body(store: Store) -> None:
         first = await store.txn([], [Put("a", b"1")])
-        lost = await store.txn([Compare("a", first.revision + 1000)], [Put("a", b"2"), Put("b", b"x")])
+        lost = await store.txn(
+            [Compare("a", first.revision + 1000)], [Put("a", b"2"), Put("b", b"x")]
+        )
         assert not lost.succeeded
         entry = await store.get("a")
         assert entry is not None
@@ -60,7 +64,9 @@ def test_failed_compare_changes_nothing(store_factory: StoreFactory, tmp_path: P
     run(store_factory, tmp_path, body)
 
 
-def test_revisions_strictly_increase_across_writes(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_revisions_strictly_increase_across_writes(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         revisions = [(await store.txn([], [Put(f"k{i}", b"v")])).revision for i in range(5)]
         assert revisions == sorted(set(revisions))
@@ -68,7 +74,9 @@ def test_revisions_strictly_increase_across_writes(store_factory: StoreFactory, 
     run(store_factory, tmp_path, body)
 
 
-def test_range_returns_only_the_prefix_in_key_order(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_range_returns_only_the_prefix_in_key_order(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         await store.txn(
             [], [Put("groups/a/2", b"2"), Put("groups/a/1", b"1"), Put("groups/ab/1", b"x")]
@@ -80,7 +88,9 @@ def test_range_returns_only_the_prefix_in_key_order(store_factory: StoreFactory,
     run(store_factory, tmp_path, body)
 
 
-def test_prefix_delete_removes_only_that_prefix(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_prefix_delete_removes_only_that_prefix(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         await store.txn([], [Put("g/a/1", b"1"), Put("g/a/2", b"2"), Put("g/b/1", b"3")])
         assert (await store.txn([], [Delete("g/a/", prefix=True)])).succeeded
@@ -89,7 +99,9 @@ def test_prefix_delete_removes_only_that_prefix(store_factory: StoreFactory, tmp
     run(store_factory, tmp_path, body)
 
 
-def test_entry_on_a_lease_vanishes_when_it_expires(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_entry_on_a_lease_vanishes_when_it_expires(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         lease = await store.grant_lease(1)
         await store.txn([], [Put("agent", b"x", lease=lease.id)])
@@ -105,7 +117,9 @@ def test_entry_on_a_lease_vanishes_when_it_expires(store_factory: StoreFactory, 
     run(store_factory, tmp_path, body)
 
 
-def test_refreshed_lease_outlives_its_first_ttl(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_refreshed_lease_outlives_its_first_ttl(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         lease = await store.grant_lease(2)
         await store.txn([], [Put("agent", b"x", lease=lease.id)])
@@ -154,7 +168,9 @@ def test_range_reports_remaining_lease_time(store_factory: StoreFactory, tmp_pat
     run(store_factory, tmp_path, body)
 
 
-def test_wait_wakes_on_a_write_under_the_prefix(store_factory: StoreFactory, tmp_path: Path) -> None:
+def test_wait_wakes_on_a_write_under_the_prefix(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
     async def body(store: Store) -> None:
         start = await store.txn([], [Put("x/0", b"0")])
 
