@@ -49,6 +49,16 @@ EXIT_OK, EXIT_ERROR, EXIT_IDENTITY, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TRANSFER
 log = logging.getLogger("workers")
 
 
+def _token_from_file(path: str | None) -> str | None:
+    """The first line of a token file (a compose/k8s secret); None when no file is named."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip().splitlines()[0].strip() or None
+    except (OSError, IndexError) as exc:
+        raise SystemExit(f"cannot read WORKERS_REGISTRY_TOKEN_FILE {path}: {exc}") from None
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument(
@@ -56,8 +66,19 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default=env("WORKERS_REGISTRY_URL", "http://127.0.0.1:8080"),
         help="registry URL; several replicas comma-separated ($WORKERS_REGISTRY_URL)",
     )
-    parser.add_argument("--token", default=env("WORKERS_REGISTRY_TOKEN"), help="bearer token")
-    parser.add_argument("--group-id", required=True, help="this TP group's id")
+    parser.add_argument(
+        "--token",
+        default=env("WORKERS_REGISTRY_TOKEN")
+        or _token_from_file(env("WORKERS_REGISTRY_TOKEN_FILE")),
+        help="bearer token ($WORKERS_REGISTRY_TOKEN, or a file named by "
+        "$WORKERS_REGISTRY_TOKEN_FILE, e.g. a compose secret)",
+    )
+    parser.add_argument(
+        "--group-id",
+        default=env("WORKERS_GROUP_ID"),
+        required=not env("WORKERS_GROUP_ID"),
+        help="this TP group's id ($WORKERS_GROUP_ID)",
+    )
     parser.add_argument("--model", default="demo-model")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=16, help="KV blocks per rank")
