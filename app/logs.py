@@ -8,7 +8,13 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
+# uvicorn adds an ANSI-coloured copy of each message; one plain copy is enough.
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
