@@ -1,0 +1,493 @@
+"""`python -m workers.vllm_launch`: a PD deployment of real vLLM from one command, on loopback.
+
+Starts, in `.venv-vllm` (scripts/setup-vllm.sh):
+
+1. a registry (`python -m app serve`, SQLite in a temporary directory);
+2. a prefill instance over two headless-style nodes (`-tp 2 --nnodes 2`, node 1 `--headless`);
+3. a decode instance (TP 1);
+4. a small proxy (as vLLM's `toy_proxy_server.py`): each `/v1/completions` request goes to
+   prefill with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then to
+   decode with the `kv_transfer_params` prefill answered, so decode pulls the KV over NIXL;
+
+with the tiny Llama built offline (`workers.vllm_model`), NixlConnector with its KV buffer in
+DRAM, and the engine-registry vLLM plugin active on every instance (`--no-registry` leaves it
+dormant). It sends one request through the proxy, prints the registry's view, and serves until
+Ctrl-C (`--once`: exits after that request). Every child runs in its own process group and is
+killed on exit.
+
+The classes here are the building blocks of the real-vLLM test tier (tests/vllm/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = ROOT / ".venv-vllm"
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+}
+_DP_SUFFIX = re.compile(r"^(?P<id>.+?)_dp(?P<rank>\d+)$")
+
+
+def say(message: str) -> None:
+    print(f"[vllm-launch] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_python() -> str:
+    """The interpreter of the vLLM environment (this one when it already is)."""
+    candidate = VLLM_VENV / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+def base_env() -> dict[str, str]:
+    """The environment that mattered for vLLM on these CPU machines (shared/VLLM-CPU.md)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("ENGINE_REGISTRY_") and k not in ("PYTHONPATH", "VLLM_PLUGINS")
+    }
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TORCHDYNAMO_DISABLE="1",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class Proc:
+    """One child in its own process group, logging to a file; killed as a group."""
+
+    def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path):
+        self.name = name
+        self.cmd = list(cmd)
+        self.log_path = log
+        self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            self.cmd,
+            cwd=ROOT,
+            env=dict(env),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            if self.wait(grace_s) is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.wait(5)
+        # Children left behind in the group (workers) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self._log.close()
+
+
+@dataclass
+class Registry:
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> Registry:
+        cmd = [
+            vllm_python(), "-m", "app", "serve", "--host", "127.0.0.1",
+            "--port", str(self.port), "--store", f"sqlite:///{self.workdir}/registry-{self.port}.db",
+        ]  # fmt: skip
+        self.proc = Proc(
+            f"registry:{self.port}", cmd, base_env(), self.workdir / f"registry-{self.port}.log"
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise RuntimeError(f"registry exited: {self.proc.text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        raise TimeoutError(f"registry did not serve within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@dataclass
+class Instance:
+    """One vLLM instance: `nodes` processes (node 0 serves HTTP, the others are headless)."""
+
+    name: str
+    model: Path
+    workdir: Path
+    tp: int = 1
+    nodes: int = 1
+    cores: Sequence[str] = ("0",)
+    registry_url: str | None = None
+    group: str | None = None
+    role: str | None = None
+    # Per-node overrides of the plugin's environment (a misconfigured node, say).
+    node_env: Sequence[Mapping[str, str]] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    side_channel_port: int = field(default_factory=free_port)
+    master_port: int = field(default_factory=free_port)
+    procs: list[Proc] = field(default_factory=list)
+    started_at: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _cmd(self, node: int) -> list[str]:
+        cmd = [
+            vllm_python(), "-m", "workers.vllm_serve", "serve", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
+            "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
+            "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
+        ]  # fmt: skip
+        if self.tp > 1:
+            cmd += ["-tp", str(self.tp)]
+        if self.nodes > 1:
+            cmd += [
+                "--nnodes", str(self.nodes), "--node-rank", str(node),
+                "--master-addr", "127.0.0.1", "--master-port", str(self.master_port),
+            ]  # fmt: skip
+            if node > 0:
+                cmd.append("--headless")
+        return cmd
+
+    def _env(self, node: int) -> dict[str, str]:
+        env = base_env()
+        env["VLLM_CPU_OMP_THREADS_BIND"] = self.cores[node % len(self.cores)]
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        if self.registry_url:
+            env["ENGINE_REGISTRY_URL"] = self.registry_url
+            env["ENGINE_REGISTRY_GROUP"] = self.group or self.name
+            if self.role:
+                env["ENGINE_REGISTRY_ROLE"] = self.role
+        env.update(self.extra_env)
+        if node < len(self.node_env):
+            env.update(self.node_env[node])
+        return env
+
+    def start(self) -> Instance:
+        self.started_at = time.monotonic()
+        for node in range(self.nodes):
+            log = self.workdir / f"{self.name}-node{node}.log"
+            log.write_bytes(b"")
+            self.procs.append(
+                Proc(f"{self.name}/node{node}", self._cmd(node), self._env(node), log)
+            )
+        return self
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> float:
+        """Seconds from start to a healthy HTTP endpoint; raises with the logs' tails if not."""
+        deadline = self.started_at + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if not proc.alive():
+                    raise RuntimeError(f"{proc.name} exited early:\n{self.tails()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return time.monotonic() - self.started_at
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy within {timeout_s} s:\n{self.tails()}")
+
+    def wait_exit(self, timeout_s: float = 240.0) -> list[int | None]:
+        """Every node's exit status (None: still running at the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        return [p.wait(max(0.0, deadline - time.monotonic())) for p in self.procs]
+
+    def logs(self) -> list[str]:
+        return [p.text() for p in self.procs]
+
+    def tails(self, n: int = 3000) -> str:
+        return "\n".join(f"--- {p.name} ---\n{p.text()[-n:]}" for p in self.procs)
+
+    def stop(self) -> None:
+        # Headless nodes first would leave node 0 waiting in a collective; stop all at once.
+        for proc in self.procs:
+            if proc.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        for proc in self.procs:
+            proc.stop(grace_s=15.0)
+        self.procs = []
+
+
+# -- the PD request, as vLLM's toy_proxy_server.py ------------------------------------------
+
+
+def pd_complete(
+    prefill_url: str,
+    decode_url: str,
+    body: Mapping[str, Any],
+    *,
+    timeout_s: float = 120.0,
+) -> tuple[httpx.Response, dict[str, Any]]:
+    """Prefill (max_tokens 1, do_remote_decode), then decode with prefill's kv_transfer_params.
+
+    Returns decode's response and the kv_transfer_params prefill handed over.
+    """
+    prefill_body = dict(body)
+    prefill_body.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
+    prefill_body.pop("stream_options", None)
+    with httpx.Client(timeout=timeout_s, trust_env=False) as http:
+        first = http.post(f"{prefill_url}/v1/completions", json=prefill_body)
+        first.raise_for_status()
+        params = dict(first.json().get("kv_transfer_params") or {})
+        decode_body = dict(body)
+        decode_body["kv_transfer_params"] = params
+        return http.post(f"{decode_url}/v1/completions", json=decode_body), params
+
+
+def complete(url: str, body: Mapping[str, Any], *, timeout_s: float = 120.0) -> httpx.Response:
+    with httpx.Client(timeout=timeout_s, trust_env=False) as http:
+        return http.post(f"{url}/v1/completions", json=dict(body))
+
+
+def nixl_transfers(decode_url: str) -> float:
+    """Decode's `vllm:nixl_xfer_time_seconds_count` (0 when absent)."""
+    text = httpx.get(f"{decode_url}/metrics", timeout=10.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:nixl_xfer_time_seconds_count"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def split_dp_suffix(engine_id: str) -> tuple[str, int | None]:
+    """vLLM appends `_dp{rank}` to the engine_id of a data-parallel rank; strip it."""
+    match = _DP_SUFFIX.match(engine_id)
+    if match is None:
+        return engine_id, None
+    return match.group("id"), int(match.group("rank"))
+
+
+class Proxy:
+    """A tiny HTTP proxy: POST /v1/completions through prefill, then decode."""
+
+    def __init__(self, prefill_url: str, decode_url: str, port: int | None = None):
+        self.prefill_url = prefill_url
+        self.decode_url = decode_url
+        self.port = port or free_port()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_POST(self) -> None:
+                if self.path != "/v1/completions":
+                    self.send_error(404)
+                    return
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                try:
+                    answer, _ = pd_complete(outer.prefill_url, outer.decode_url, body)
+                    status, payload = answer.status_code, answer.content
+                except httpx.HTTPError as exc:
+                    status, payload = 502, json.dumps({"error": str(exc)}).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Proxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- the one-command try-out ----------------------------------------------------------------
+
+
+def build_model(workdir: Path) -> Path:
+    """The tiny Llama, built by the vLLM environment's interpreter (it has transformers)."""
+    path = workdir / "tiny-llama"
+    subprocess.run(
+        [vllm_python(), "-m", "workers.vllm_model", str(path)],
+        cwd=ROOT,
+        env=base_env(),
+        check=True,
+        timeout=300,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return path
+
+
+def show_registry(url: str) -> None:
+    groups = httpx.get(f"{url}/tp-groups", timeout=5.0).json()["groups"]
+    for g in groups:
+        say(
+            f"registry: group {g['group_id']} generation {g['generation']} engine "
+            f"{g['engine_id']} role {g['role']} ranks live {g['registered_ranks']}"
+            f"/{g['tp_size']} ready={g['ready']}"
+        )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m workers.vllm_launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--workdir", type=Path, help="logs, model, registry db (default: a temp dir)")
+    p.add_argument("--proxy-port", type=int, default=8000)
+    p.add_argument("--prompt", default="The registry issues one engine id per launch")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--no-registry", action="store_true", help="leave the plugin dormant")
+    p.add_argument("--once", action="store_true", help="exit after the first request")
+    p.add_argument("--timeout", type=float, default=300.0, help="start-up limit, seconds")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="vllm-launch-")
+        workdir = Path(tmp.name)
+    else:
+        workdir = args.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+    say(f"workdir {workdir} (logs: *.log)")
+    started: list[Any] = []
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        t0 = time.monotonic()
+        model = build_model(workdir)
+        say(f"model built in {time.monotonic() - t0:.1f} s: {model}")
+        registry = None
+        if not args.no_registry:
+            registry = Registry(workdir).start()
+            started.append(registry)
+            say(f"registry {registry.url}")
+        url = registry.url if registry else None
+        prefill = Instance(
+            "prefill", model, workdir, tp=2, nodes=2, cores=("0", "1"),
+            registry_url=url, group="prefill-0", role="prefill",
+        ).start()  # fmt: skip
+        started.append(prefill)
+        decode = Instance(
+            "decode", model, workdir, cores=("1",), registry_url=url, group="decode-0",
+            role="decode",
+        ).start()  # fmt: skip
+        started.append(decode)
+        say("prefill (TP 2 over two nodes) and decode (TP 1) starting...")
+        say(f"prefill healthy after {prefill.wait_healthy(args.timeout):.1f} s: {prefill.url}")
+        say(f"decode healthy after {decode.wait_healthy(args.timeout):.1f} s: {decode.url}")
+        proxy = Proxy(prefill.url, decode.url, args.proxy_port).start()
+        started.append(proxy)
+        say(f"proxy {proxy.url}/v1/completions")
+        body = {
+            "model": str(model),
+            "prompt": args.prompt,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        }
+        t1 = time.monotonic()
+        answer = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120.0)
+        say(f"PD request: {answer.status_code} in {time.monotonic() - t1:.2f} s")
+        if answer.status_code != 200:
+            say(answer.text[:2000])
+            return 1
+        say(f"text: {answer.json()['choices'][0]['text']!r}")
+        say(f"decode NIXL transfers: {nixl_transfers(decode.url):.0f}")
+        if registry is not None:
+            show_registry(registry.url)
+        if args.once:
+            return 0
+        say(
+            f"serving; try: curl -s {proxy.url}/v1/completions -H 'content-type: "
+            f"application/json' -d '{json.dumps(body)}'   (Ctrl-C stops everything)"
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            while not stop.wait(1.0):
+                pass
+        return 0
+    finally:
+        for item in reversed(started):
+            with contextlib.suppress(Exception):
+                item.stop()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

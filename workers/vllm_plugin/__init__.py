@@ -1,0 +1,54 @@
+"""vLLM general plugin: the engine registry gives vLLM its engine_id, and knows every instance.
+
+Registered under vLLM's `vllm.general_plugins` entry-point group as `engine_registry =
+workers.vllm_plugin:register`. vLLM calls `register()` in every process it starts (the API
+server, the engine core, each worker). Importing this module is cheap and never fails (vLLM
+only logs an import error); everything that needs vLLM happens inside `register()`.
+
+Dormant unless `ENGINE_REGISTRY_URL` is set. When active (see `workers.vllm_plugin.hook`):
+
+- every worker, before its KV connector is made: TP rank 0 opens the engine of this launch,
+  every rank fetches it and cross-verifies over vLLM's own TP group (the model-parallel world
+  when PP > 1), and `kv_transfer_config.engine_id` becomes the registry's id (with vLLM's
+  `_dp{rank}` suffix under data parallelism, one registry group per DP rank);
+- the engine core's scheduler-side connector adopts the same id (same launch_id, so the
+  registry answers the same engine), so the `remote_engine_id` it hands out is the registry's;
+- after the KV caches are registered, each rank registers its NIXL agent (name, metadata, KV
+  layout, side channel) with a lease, renews it, and deregisters on shutdown.
+
+Environment:
+
+    ENGINE_REGISTRY_URL      registry URL(s), comma-separated replicas (activates the plugin)
+    ENGINE_REGISTRY_GROUP    the TP group id (required when active); "-dp{rank}" is appended
+                             per data-parallel rank
+    ENGINE_REGISTRY_TOKEN    bearer token with the worker role (optional)
+    ENGINE_REGISTRY_ROLE     prefill | decode | both (default from kv_role: kv_producer ->
+                             prefill, kv_consumer -> decode, kv_both -> both)
+    ENGINE_REGISTRY_TTL_S    agent lease in seconds (default 30; renewed every ttl/3)
+    ENGINE_REGISTRY_TIMEOUT_S  deadline of each registry call at start (default 30)
+    ENGINE_REGISTRY_LAUNCH_ID  set by the plugin in the first process of a launch and inherited
+                             by its engine core and workers; do not set it yourself
+"""
+
+from __future__ import annotations
+
+import os
+
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+ENV_URL = "ENGINE_REGISTRY_URL"
+
+
+def active() -> bool:
+    return bool(os.environ.get(ENV_URL, "").strip())
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: install the hooks when configured."""
+    if not active():
+        return
+    from workers.vllm_plugin.hook import install
+
+    install()
+
+
+__all__ = ["ENV_URL", "SUPPORTED_VLLM_VERSIONS", "active", "register"]
