@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import select
 import sys
 import time
@@ -22,10 +23,11 @@ LIFETIME_S = 900.0
 READY = "BENCH-READY "
 
 
-def _agent(name: str) -> Any:
+def _agent(name: str, progress_thread: bool = True) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+    return nixl_agent(name, config)
 
 
 def _ready(info: dict[str, Any]) -> None:
@@ -37,7 +39,7 @@ def _serve_until_stdin_closes() -> None:
     deadline = time.monotonic() + LIFETIME_S
     while time.monotonic() < deadline:
         ready, _, _ = select.select([sys.stdin], [], [], 1.0)
-        if ready and not sys.stdin.buffer.read1(4096):
+        if ready and not os.read(sys.stdin.fileno(), 4096):
             return
 
 
@@ -55,7 +57,10 @@ def prefill(url: str, group: str, tp: int) -> None:
         keep = []
         for rank in range(tp):
             name = f"{engine_id}-rank{rank}"
-            agent = _agent(name)
+            # No progress threads: these agents only publish metadata here, and eight idle
+            # UCX progress threads take half a core from the registry on a 2-core machine
+            # (on real deployments the prefill ranks live on other hosts).
+            agent = _agent(name, progress_thread=False)
             memory = torch.zeros(1 << 20, dtype=torch.uint8)
             agent.register_memory(memory)
             metadata = bytes(agent.get_agent_metadata())

@@ -177,6 +177,13 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
             ("per-op p99 ≤ 50 ms at 1,024 ranks (SQLite)", f"{p99:.1f} ms (worst op)",
              f"{50 / p99:.2f}x of target", p99 <= 50.0)
         )  # fmt: skip
+    paced = s.get("registry_sqlite_paced", {}).get("1024")
+    if paced and "failed" not in paced:
+        p99 = paced["target_ops_p99_ms"]
+        out.append(
+            (f"(same, 1,024 ranks launching over {s.get('paced_s', 8):g} s instead of at once)",
+             f"{p99:.1f} ms (worst op)", f"{50 / p99:.2f}x of target", p99 <= 50.0)
+        )  # fmt: skip
     for n, ours in s.get("registry_sqlite", {}).items():
         base = s.get("etcd_direct", {}).get(n)
         if base and "failed" not in base and "failed" not in ours:

@@ -1,8 +1,8 @@
-"""``python -m bench.run [--quick] [--only storm,handshake,transfer]``: run the benchmarks,
-write ``bench/results/<name>.json`` and the table ``bench/results/latest.md``.
+"""``python -m bench.run [--quick] [--only storm,handshake,transfer] [--report-only]``: run
+the benchmarks, write ``bench/results/<name>.json`` and the table ``bench/results/latest.md``.
 
 ``--quick`` (under about a minute) runs the smallest storm and few iterations: a smoke test of
-the benchmarks themselves, not figures to publish.
+the benchmarks themselves, written to ``bench/results/quick/``, not figures to publish.
 """
 
 from __future__ import annotations
@@ -32,14 +32,22 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait for other processes to go idle before each question "
         "(default 120, 0 with --quick)",
     )
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild latest.md from the JSON results"
+    )
     args = parser.parse_args(argv)
-    chosen = [q.strip() for q in args.only.split(",") if q.strip()]
+    chosen = [] if args.report_only else [q.strip() for q in args.only.split(",") if q.strip()]
     unknown = set(chosen) - set(QUESTIONS)
     if unknown:
         parser.error(f"unknown question(s) {sorted(unknown)}; choose from {QUESTIONS}")
+    # Smoke tests never overwrite the published results.
+    out = RESULTS / "quick" if args.quick else RESULTS
     quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0 if args.quick else 120)
 
     info = machine()
+    if args.report_only:  # the machine of the run that made the results
+        first = next(out / f"{q}.json" for q in QUESTIONS if (out / f"{q}.json").exists())
+        info = json.loads(first.read_text())["machine"]
     say(
         f"machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, "
         f"Python {info['python']}"
@@ -47,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for name in QUESTIONS:
         if name not in chosen:
-            previous = RESULTS / f"{name}.json"
+            previous = out / f"{name}.json"
             if previous.exists():
                 results[name] = json.loads(previous.read_text())
             continue
@@ -64,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             "busy_before": busy,
             "machine": info,
         }
-        path = write_result(name, data)
+        path = write_result(name, data, out)
         say(f"{name}: done in {data['seconds']} s -> {path.relative_to(RESULTS.parents[1])}")
         results[name] = data
     table = markdown(results, info)
-    (RESULTS / "latest.md").write_text(table)
+    (out / "latest.md").write_text(table)
     print(table)
     return 0
 

@@ -45,6 +45,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -531,7 +532,7 @@ def _etcd_rows(sizes: list[int], results: dict[str, Any], tmp: Path, note: list[
         endpoint = cluster.endpoints[0]
         for n in sizes:
             say(f"  etcd direct (aetcd), {n} ranks")
-            results["etcd_direct"][str(n)] = _guarded(lambda n=n: etcd_storm(endpoint, n))
+            results["etcd_direct"][str(n)] = _guarded(partial(etcd_storm, endpoint, n))
         ok, why = etcd_store_available()
         if not ok:
             note.append(f"registry-on-etcd rows skipped: {why}")
@@ -540,7 +541,7 @@ def _etcd_rows(sizes: list[int], results: dict[str, Any], tmp: Path, note: list[
             say(f"  registry on etcd, {n} ranks")
             url = cluster.url(f"bench-{uuid.uuid4().hex[:8]}")
             with registry_server(url, log=tmp / f"registry-etcd-{n}.log") as http:
-                results["registry_etcd"][str(n)] = _guarded(lambda n=n: http_storm(http, n))
+                results["registry_etcd"][str(n)] = _guarded(partial(http_storm, http, n))
 
 
 def _guarded(storm: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -583,7 +584,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             say(f"  registry on SQLite, {n} ranks")
             store = f"sqlite:///{tmp}/storm-{n}.db"
             with registry_server(store, log=tmp / f"registry-sqlite-{n}.log") as url:
-                results["registry_sqlite"][str(n)] = _guarded(lambda n=n: http_storm(url, n))
+                results["registry_sqlite"][str(n)] = _guarded(partial(http_storm, url, n))
         # The same load arriving over PACED_S instead of at once: latency without the queue.
         if not quick:
             say(f"  registry on SQLite, 1024 ranks launching evenly over {PACED_S:g} s")
