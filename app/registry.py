@@ -132,7 +132,7 @@ class GroupState:
         agents: dict[int, AgentRecord] = {}
         revisions: dict[int, int] = {}
         expires: dict[int, float] = {}
-        now = time.time()
+        now = snap.read_at
         for entry in snap.entries:
             if entry.key == _engine_key(gid):
                 engine = EngineRecord.model_validate_json(entry.value)
@@ -216,7 +216,7 @@ class Registry:
             by_group.setdefault(gid, []).append(entry)
         views = []
         for gid, entries in by_group.items():
-            sub = Snapshot(entries, snap.revision, snap.lease_remaining_s)
+            sub = Snapshot(entries, snap.revision, snap.lease_remaining_s, snap.read_at)
             state = GroupState.read(sub, gid)
             if state is not None:
                 views.append(state.view())

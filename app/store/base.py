@@ -17,9 +17,10 @@ within the operator's bound, and never anything backend-specific.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,9 @@ class Snapshot:
     revision: int
     # Remaining lease time of each lease those entries hold, read with them.
     lease_remaining_s: dict[int, float]
+    # This host's wall-clock time at which ``lease_remaining_s`` was measured, so that every
+    # reader of one snapshot derives the same expiry instants from it.
+    read_at: float = field(default_factory=time.time)
 
 
 class Store(ABC):

@@ -269,7 +269,7 @@ class SqliteStore(Store):
                 conn.execute("COMMIT")
             entries = [Entry(r[0], bytes(r[1]), r[2], r[3]) for r in rows]
             remaining = {r[3]: r[4] - now for r in rows if r[3] is not None}
-            return Snapshot(entries, revision, remaining)
+            return Snapshot(entries, revision, remaining, read_at=now)
 
         return await self._read(fn)
 
