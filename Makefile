@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SOURCES := app workers tests bench
 
-.PHONY: run test check lint types system-deps bench demo clean
+.PHONY: run test check lint types system-deps bench bench-quick demo clean
 
 # The service alone: no torch, no nixl.
 $(VENV)/.service: pyproject.toml
@@ -44,6 +44,9 @@ demo: $(VENV)/.dev
 
 bench: $(VENV)/.dev system-deps
 	$(BIN)/python -m bench.run
+
+bench-quick: $(VENV)/.dev system-deps
+	$(BIN)/python -m bench.run --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
