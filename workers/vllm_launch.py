@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -47,7 +46,6 @@ KV_TRANSFER_CONFIG = {
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
 }
-_DP_SUFFIX = re.compile(r"^(?P<id>.+?)_dp(?P<rank>\d+)$")
 
 
 def say(message: str) -> None:
@@ -195,6 +193,9 @@ class Instance:
             vllm_python(), "-m", "workers.vllm_serve", "serve", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
+            # 64 blocks of 128 tokens: enough for 8 x 512 tokens. The 1 GiB minimum of
+            # VLLM_CPU_KVCACHE_SPACE would be 32k blocks, each a NIXL descriptor to register.
+            "--num-gpu-blocks-override", "64",
             "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
         ]  # fmt: skip
         if self.tp > 1:
@@ -317,14 +318,6 @@ def nixl_transfers(decode_url: str) -> float:
         if line.startswith("vllm:nixl_xfer_time_seconds_count"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def split_dp_suffix(engine_id: str) -> tuple[str, int | None]:
-    """vLLM appends `_dp{rank}` to the engine_id of a data-parallel rank; strip it."""
-    match = _DP_SUFFIX.match(engine_id)
-    if match is None:
-        return engine_id, None
-    return match.group("id"), int(match.group("rank"))
 
 
 class Proxy:

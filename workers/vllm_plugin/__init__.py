@@ -26,6 +26,8 @@ Environment:
                              prefill, kv_consumer -> decode, kv_both -> both)
     ENGINE_REGISTRY_TTL_S    agent lease in seconds (default 30; renewed every ttl/3)
     ENGINE_REGISTRY_TIMEOUT_S  deadline of each registry call at start (default 30)
+    ENGINE_REGISTRY_REFUSE_EXIT_S  a worker that refused its identity exits this many seconds
+                             after raising (default 10), so headless nodes stop too
     ENGINE_REGISTRY_LAUNCH_ID  set by the plugin in the first process of a launch and inherited
                              by its engine core and workers; do not set it yourself
 """

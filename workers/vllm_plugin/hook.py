@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,7 @@ ENV_ROLE = "ENGINE_REGISTRY_ROLE"
 ENV_TTL = "ENGINE_REGISTRY_TTL_S"
 ENV_TIMEOUT = "ENGINE_REGISTRY_TIMEOUT_S"
 ENV_LAUNCH = "ENGINE_REGISTRY_LAUNCH_ID"
+ENV_REFUSE_EXIT = "ENGINE_REGISTRY_REFUSE_EXIT_S"
 
 _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _PATCHED = "_engine_registry_patched"
@@ -68,6 +70,7 @@ class Settings:
     ttl_s: int
     timeout_s: float
     launch_id: str
+    refuse_exit_s: float = 10.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -98,6 +101,7 @@ class Settings:
             ttl_s=int(os.environ.get(ENV_TTL, "30")),
             timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")),
             launch_id=os.environ[ENV_LAUNCH],
+            refuse_exit_s=float(os.environ.get(ENV_REFUSE_EXIT, "10")),
         )
 
 
@@ -263,6 +267,7 @@ def _worker_sync(config: Any) -> None:
                 "engine-registry: rank %d of group %r refuses to start: %s", rank, group_id, exc
             )
             client.close()
+            _exit_soon(settings.refuse_exit_s)
             raise RuntimeError(
                 f"engine-registry: group {group_id!r} rank {rank} refuses to start: {exc}"
             ) from exc
@@ -286,6 +291,24 @@ def _worker_sync(config: Any) -> None:
             identity.generation,
             before,
         )
+
+
+def _exit_soon(delay_s: float) -> None:
+    """Make sure a worker that refused its identity never lingers.
+
+    The raise below reaches vLLM's driver as the failed RPC, and node 0's engine core stops.
+    A headless node's worker, though, answers the failure and waits for the next RPC from a
+    driver that is gone, and its launcher waits on it. So the refusing worker exits on its own
+    once the error had time to travel; vLLM's worker monitor then stops that node too.
+    """
+
+    def leave() -> None:
+        time.sleep(delay_s)
+        log.error("engine-registry: exiting this worker (it refused its engine identity)")
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=leave, name="engine-registry-refused", daemon=True).start()
 
 
 # -- scheduler side ------------------------------------------------------------------------
