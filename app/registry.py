@@ -18,6 +18,7 @@ import asyncio
 import base64
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -303,9 +304,20 @@ class Registry:
             )
             if result.succeeded:
                 self.metrics.engines_opened.inc()
+                if state is not None:
+                    await self._revoke_quietly(a.lease for a in state.agents.values())
                 fresh = GroupState(engine, result.revision, {}, {}, {}, result.revision)
                 return fresh.view(), True
         raise StoreUnavailable(f"Opening an engine for group {gid!r} lost too many races.")
+
+    async def _revoke_quietly(self, leases: Iterable[int]) -> None:
+        """End the superseded agents' leases now, so that a heartbeat racing the open cannot
+        renew them. Their keys are already gone; a failure here leaves them to expire."""
+        for lease in leases:
+            try:
+                await self.store.revoke_lease(lease)
+            except StoreUnavailable:
+                return
 
     @staticmethod
     def _check_same_launch(gid: str, current: EngineRecord, req: OpenEngineRequest) -> None:
