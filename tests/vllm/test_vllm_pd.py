@@ -1,0 +1,255 @@
+"""Prefill TP 2 over two headless nodes + decode, NixlConnector on CPU, real vLLM.
+
+vLLM's own engine_id broadcast is switched off on the prefill nodes (tests/vllm/nofix, "a vLLM
+before its fix"). One decode instance (TP 1, plugin active) serves the whole module; prefill
+instances come and go. The tests run in file order and share `_Shared`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.vllm.conftest import FIGURES
+from workers.client import RegistryClient
+from workers.errors import EngineSuperseded
+from workers.vllm_launch import (
+    ROOT,
+    Instance,
+    Registry,
+    complete,
+    nixl_transfers,
+    pd_complete,
+)
+from workers.vllm_plugin.resolve import resolve_remote_engine, split_dp_suffix
+
+NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "vllm" / "nofix")}
+PROMPT = "The registry issues one engine id per launch of a tensor parallel group"
+START_S = 300.0
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+CONNECTOR_ID = re.compile(r"Creating v1 connector with name: \w+ and engine_id: (\S+)")
+
+
+@dataclass
+class _Shared:
+    workdir: Path
+    model: Path
+    registry: Registry
+    decode: Instance
+    prefill: Instance | None = None
+
+    def body(self, max_tokens: int = 8) -> dict[str, Any]:
+        return {
+            "model": str(self.model),
+            "prompt": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+
+    def prefill_instance(self, name: str, *, plugin: bool, **kw: Any) -> Instance:
+        return Instance(
+            name,
+            self.model,
+            self.workdir,
+            tp=2,
+            nodes=2,
+            cores=("0", "1"),
+            registry_url=self.registry.url if plugin else None,
+            group="prefill-0",
+            role="prefill",
+            extra_env={**NOFIX, "ENGINE_REGISTRY_TTL_S": "10"},
+            **kw,
+        )
+
+
+@pytest.fixture(scope="module")
+def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator[_Shared]:
+    decode = Instance(
+        "decode",
+        tiny_model,
+        vllm_workdir,
+        cores=("1",),
+        registry_url=registry.url,
+        group="decode-0",
+        role="decode",
+    ).start()
+    state = _Shared(vllm_workdir, tiny_model, registry, decode)
+    try:
+        yield state
+    finally:
+        if state.prefill is not None:
+            state.prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture
+def other_registry(vllm_workdir: Path) -> Iterator[Registry]:
+    reg = Registry(vllm_workdir).start()
+    try:
+        yield reg
+    finally:
+        reg.stop()
+
+
+def test_a_misconfigured_node_refuses_to_start_on_every_rank(
+    vllm_workdir: Path, tiny_model: Path, registry: Registry, other_registry: Registry
+) -> None:
+    # First in the module, before the shared decode instance takes its core. Both launches
+    # at once (they fail before serving): node 1 of the first names another group, node 1 of
+    # the second talks to another registry.
+    wrong_group = Instance(
+        "wrong-group", tiny_model, vllm_workdir, tp=2, nodes=2, cores=("0", "1"),
+        registry_url=registry.url, group="mixed-a", role="prefill", extra_env=NOFIX,
+        node_env=[{}, {"ENGINE_REGISTRY_GROUP": "mixed-b"}],
+    )  # fmt: skip
+    wrong_registry = Instance(
+        "wrong-registry", tiny_model, vllm_workdir, tp=2, nodes=2, cores=("1", "0"),
+        registry_url=registry.url, group="mixed-c", role="prefill", extra_env=NOFIX,
+        node_env=[{}, {"ENGINE_REGISTRY_URL": other_registry.url}],
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        wrong_group.start()
+        wrong_registry.start()
+        codes = {
+            "wrong-group": wrong_group.wait_exit(START_S),
+            "wrong-registry": wrong_registry.wait_exit(START_S),
+        }
+        FIGURES["misconfigured launches refused after"] = time.monotonic() - t0
+        for name, (node0, *headless) in codes.items():
+            # The instance (node 0's API server) fails; a headless node stops once its worker
+            # exits (vLLM's headless launcher exits 0 then, so only its stopping is asserted).
+            assert node0 is not None, (name, codes[name])
+            assert node0 != 0, (name, codes[name])
+            assert all(code is not None for code in headless), (name, codes[name])
+        for instance, cause in ((wrong_group, "different_group"),
+                                (wrong_registry, "different_registry")):  # fmt: skip
+            for node, text in enumerate(instance.logs()):
+                assert "refuses to start" in text, (instance.name, node, text[-3000:])
+                assert cause in text, (instance.name, node, text[-3000:])
+        with httpx.Client(base_url=registry.url, timeout=5.0) as http:
+            for group in ("mixed-a", "mixed-c"):
+                engine = http.get(f"/tp-groups/{group}/engine").json()
+                assert engine["registered_ranks"] == [], engine  # nothing was published
+    finally:
+        wrong_group.stop()
+        wrong_registry.stop()
+
+
+def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
+    if shared.prefill is not None:
+        shared.prefill.stop()
+        shared.prefill = None
+    shared.prefill = shared.prefill_instance(name, plugin=plugin).start()
+    FIGURES[f"{name}: healthy after"] = shared.prefill.wait_healthy(START_S)
+    if "decode: healthy after" not in FIGURES:
+        FIGURES["decode: healthy after"] = shared.decode.wait_healthy(START_S)
+    return shared.prefill
+
+
+def _connector_ids(instance: Instance) -> list[set[str]]:
+    """Per node, the engine_ids vLLM's workers/scheduler logged when making a connector."""
+    return [set(CONNECTOR_ID.findall(text)) for text in instance.logs()]
+
+
+def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) -> None:
+    prefill = _start_prefill(shared, "prefill-nofix", plugin=False)
+    node0, node1 = _connector_ids(prefill)
+    assert node0, prefill.tails()
+    assert node1, prefill.tails()
+    assert not node0 & node1, (node0, node1)  # each node made up its own engine_id
+    answer, params = pd_complete(prefill.url, shared.decode.url, shared.body())
+    assert params.get("remote_engine_id") in node0
+    assert answer.status_code != 200, answer.text[:500]
+    deadline = time.monotonic() + 30
+    while "engine ID mismatch" not in shared.decode.logs()[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "Remote NIXL agent engine ID mismatch" in shared.decode.logs()[0]
+    assert nixl_transfers(shared.decode.url) == 0
+
+
+def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
+    prefill = _start_prefill(shared, "prefill-registry", plugin=True)
+    with RegistryClient(shared.registry.url) as client:
+        engine = client.get_engine("prefill-0")
+        assert engine.ready
+        assert engine.registered_ranks == [0, 1]
+        assert engine.generation == 1
+        assert engine.role == "prefill"
+        assert engine.compat["block_size"]
+
+        # Every rank (both nodes) logged the registry's engine_id, and vLLM made its
+        # connectors (workers and scheduler) with it and nothing else.
+        for text in prefill.logs():
+            assert f"uses the registry's engine_id {engine.engine_id}" in text
+        assert _connector_ids(prefill) == [{engine.engine_id}, {engine.engine_id}]
+        assert "[nofix]" in prefill.logs()[1]  # vLLM's own broadcast really was off
+
+        before = nixl_transfers(shared.decode.url)
+        own = complete(prefill.url, shared.body())
+        assert own.status_code == 200, own.text[:500]
+        t0 = time.monotonic()
+        answer, params = pd_complete(prefill.url, shared.decode.url, shared.body())
+        FIGURES["PD request (plugin), first"] = time.monotonic() - t0
+        assert answer.status_code == 200, answer.text[:1000]
+        assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+        assert nixl_transfers(shared.decode.url) > before
+        t0 = time.monotonic()
+        again, _ = pd_complete(prefill.url, shared.decode.url, shared.body())
+        FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
+        assert again.status_code == 200
+
+        # Decode side: kv_transfer_params -> the prefill instance, through the registry.
+        assert params["remote_engine_id"] == engine.engine_id
+        remote = resolve_remote_engine(client, params)
+        assert remote.engine.group_id == "prefill-0"
+        assert remote.dp_rank is None
+        assert sorted(a.rank for a in remote.agents) == [0, 1]
+        assert set(remote.side_channels().values()) == {("127.0.0.1", prefill.side_channel_port)}
+        assert params["remote_port"] == prefill.side_channel_port
+        assert all(a.kv["base_addrs"] and a.kv["mem_type"] == "DRAM" for a in remote.agents)
+
+        decode = client.get_engine("decode-0")
+        assert decode.ready
+        assert decode.role == "decode"
+    assert split_dp_suffix(f"{engine.engine_id}_dp3") == (engine.engine_id, 3)
+
+
+def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
+    with RegistryClient(shared.registry.url) as client:
+        if shared.prefill is None or "registry" not in shared.prefill.name:
+            _start_prefill(shared, "prefill-registry", plugin=True)
+        old = client.get_engine("prefill-0")
+        assert shared.prefill is not None
+        shared.prefill.stop()
+        shared.prefill = None
+        # Deregistered on shutdown, or the 10 s lease ran out: no live rank of the old launch.
+        deadline = time.monotonic() + 20
+        while client.get_engine("prefill-0").registered_ranks and time.monotonic() < deadline:
+            time.sleep(0.5)
+        FIGURES["old prefill ranks gone after stop"] = 20 - (deadline - time.monotonic())
+        assert client.get_engine("prefill-0").registered_ranks == []
+
+        prefill = _start_prefill(shared, "prefill-relaunch", plugin=True)
+        new = client.get_engine("prefill-0")
+        assert new.generation == old.generation + 1
+        assert new.engine_id != old.engine_id
+        assert new.ready
+        with pytest.raises(EngineSuperseded) as superseded:
+            resolve_remote_engine(client, old.engine_id)
+        assert superseded.value.current_engine_id == new.engine_id
+
+        own = complete(prefill.url, shared.body())
+        answer, params = pd_complete(prefill.url, shared.decode.url, shared.body())
+        assert answer.status_code == 200, answer.text[:1000]
+        assert params["remote_engine_id"] == new.engine_id
+        assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+    shared.prefill.stop()
+    shared.prefill = None
