@@ -461,6 +461,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             say(answer.text[:2000])
             return 1
         say(f"text: {answer.json()['choices'][0]['text']!r}")
+        warm = []
+        for _ in range(3):
+            t2 = time.monotonic()
+            httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120.0).raise_for_status()
+            warm.append(time.monotonic() - t2)
+        say(f"PD request, warm (NIXL handshake done): median {sorted(warm)[1]:.2f} s of 3")
         say(f"decode NIXL transfers: {nixl_transfers(decode.url):.0f}")
         if registry is not None:
             show_registry(registry.url)
