@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SOURCES := app workers tests bench
 
-.PHONY: run test check lint types system-deps bench bench-quick demo clean
+.PHONY: run test test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
 
 # The service alone: no torch, no nixl.
 $(VENV)/.service: pyproject.toml
@@ -36,8 +36,16 @@ types: $(VENV)/.dev
 
 check: lint types
 
+# Every tier but real vLLM, then real vLLM in its own environment (.venv-vllm).
 test: $(VENV)/.dev system-deps check
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not vllm"
+	$(MAKE) test-vllm
+
+vllm-env:
+	bash scripts/setup-vllm.sh
+
+test-vllm: $(VENV)/.dev vllm-env
+	$(BIN)/pytest tests/vllm -m vllm
 
 demo: $(VENV)/.dev
 	$(BIN)/engine-registry demo
@@ -49,4 +57,4 @@ bench-quick: $(VENV)/.dev system-deps
 	$(BIN)/python -m bench.run --quick
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache .pytest_cache *.egg-info
