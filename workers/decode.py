@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
@@ -24,11 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from workers import launch
 from workers.client import RegistryClient
-from workers.endpoint import NixlEndpoint, RemoteRead, stop_on_signals
+from workers.endpoint import NixlEndpoint, RemoteRead
 from workers.errors import (
     EngineIdentityError,
     EngineSuperseded,
@@ -291,14 +289,9 @@ def wait_for_group(client: RegistryClient, group_id: str, args: argparse.Namespa
 
 
 def run(args: argparse.Namespace) -> int:
-    info = launch.init_distributed(args)
-    launch.setup_logging("decode", info, args.group_id)
-    reporter = launch.Reporter(args.report_dir, "decode", args.group_id, info.rank)
-    reporter.update(node=info.node_rank, status="starting", pid=os.getpid())
-    stop = threading.Event()
-    stop_on_signals(stop)
-    layout = launch.layout_from_args(args)
-    client = launch.client_factory(args)()
+    session = launch.start_rank(args, "decode")
+    info, reporter, stop = session.info, session.reporter, session.stop
+    layout, client = session.layout, session.client
     endpoint: NixlEndpoint | None = None
     publication = None
     engines: RemoteEngines | None = None
@@ -355,9 +348,7 @@ def run(args: argparse.Namespace) -> int:
             publication.close()
         if endpoint is not None:
             endpoint.close()
-        client.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        session.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from workers.endpoint import (
     Publication,
     advertise_host,
     check_host_for_group,
+    stop_on_signals,
 )
 from workers.errors import EngineIdentityError, EngineIdMismatch, ProblemError, RegistryError
 from workers.identity import (
@@ -169,6 +170,33 @@ def layout_from_args(args: argparse.Namespace) -> KvLayout:
         head_size=args.head_size,
         dtype=args.dtype,
     )
+
+
+@dataclass
+class RankSession:
+    """What every entrypoint sets up before its own work, and tears down after it."""
+
+    info: RankInfo
+    reporter: Reporter
+    stop: threading.Event
+    layout: KvLayout
+    client: RegistryClient
+
+    def close(self) -> None:
+        self.client.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_rank(args: argparse.Namespace, role: str) -> RankSession:
+    """Join the process group, log and report as this rank, stop on SIGTERM/SIGINT."""
+    info = init_distributed(args)
+    setup_logging(role, info, args.group_id)
+    reporter = Reporter(args.report_dir, role, args.group_id, info.rank)
+    reporter.update(node=info.node_rank, status="starting", pid=os.getpid())
+    stop = threading.Event()
+    stop_on_signals(stop)
+    return RankSession(info, reporter, stop, layout_from_args(args), client_factory(args)())
 
 
 def client_factory(args: argparse.Namespace) -> Callable[[], RegistryClient]:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
 
-import torch.distributed as dist
-
 from workers import launch
-from workers.endpoint import NixlEndpoint, stop_on_signals
+from workers.endpoint import NixlEndpoint
 from workers.errors import EngineIdentityError, EngineIdMismatch
 from workers.kv import fill, kv_spec
 
@@ -64,14 +61,9 @@ def serve(
 
 
 def run(args: argparse.Namespace) -> int:
-    info = launch.init_distributed(args)
-    launch.setup_logging("prefill", info, args.group_id)
-    reporter = launch.Reporter(args.report_dir, "prefill", args.group_id, info.rank)
-    reporter.update(node=info.node_rank, status="starting", pid=os.getpid())
-    stop = threading.Event()
-    stop_on_signals(stop)
-    layout = launch.layout_from_args(args)
-    client = launch.client_factory(args)()
+    session = launch.start_rank(args, "prefill")
+    info, reporter, stop = session.info, session.reporter, session.stop
+    layout, client = session.layout, session.client
     endpoint: NixlEndpoint | None = None
     publication = None
     superseded: list[EngineIdMismatch] = []
@@ -135,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
             publication.close()
         if endpoint is not None:
             endpoint.close()
-        client.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        session.close()
         log.info("shut down")
 
 
