@@ -39,8 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.insecure:
         overrides["insecure"] = True
     try:
+        # Its validator reads the tokens, so a bad tokens file fails here, once.
         settings = Settings(**overrides)
-        settings.auth_tokens()
     except (ValidationError, TokenFileError) as exc:
         print(f"engine-registry: cannot start: {_first_error(exc)}", file=sys.stderr)
         return 2
