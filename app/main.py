@@ -3,7 +3,6 @@ store. Nothing is built at import time."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -22,19 +21,8 @@ from app.problems import field_errors, problem_response
 from app.registry import Registry
 from app.settings import Settings
 from app.store import Store, create_store
-from app.store.sqlite import SqliteStore
 
 log = logging.getLogger("app")
-
-
-async def _sweep(store: SqliteStore, interval_s: float) -> None:
-    """Purge expired leases so waiters wake and the file stays small (etcd does this itself)."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await store.purge_expired()
-        except RegistryError as exc:
-            log.warning("lease sweep failed", extra={"error": exc.detail})
 
 
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
@@ -43,19 +31,17 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        owned = store or create_store(settings.store, timeout_s=settings.store_timeout_s)
+        owned = store or create_store(
+            settings.store,
+            timeout_s=settings.store_timeout_s,
+            sweep_interval_s=settings.sweep_interval_s,
+        )
+        await owned.start()
         app.state.registry = Registry(owned, metrics)
-        sweeper = None
-        if isinstance(owned, SqliteStore):
-            sweeper = asyncio.create_task(_sweep(owned, settings.sweep_interval_s))
         log.info("registry serving", extra={"store": owned.description})
         try:
             yield
         finally:
-            if sweeper is not None:
-                sweeper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sweeper
             await owned.close()
 
     app = FastAPI(

@@ -46,7 +46,7 @@ def check_store_url(url: str) -> str:
     )
 
 
-def create_store(url: str, *, timeout_s: float = 10.0) -> Store:
+def create_store(url: str, *, timeout_s: float = 10.0, sweep_interval_s: float = 1.0) -> Store:
     """Build the store a URL names (``sqlite:///path`` or ``etcd://h:p[,h:p…]/prefix``).
 
     The etcd driver is imported only when an etcd URL is used, so the SQLite default needs
@@ -60,7 +60,9 @@ def create_store(url: str, *, timeout_s: float = 10.0) -> Store:
         synchronous = query.get("synchronous", ["normal"])[0]
         from app.store.sqlite import SqliteStore
 
-        return SqliteStore(path, timeout_s=timeout_s, synchronous=synchronous)
+        return SqliteStore(
+            path, timeout_s=timeout_s, synchronous=synchronous, sweep_interval_s=sweep_interval_s
+        )
     if parts.scheme == "etcd":
         try:
             from app.store.etcd import EtcdStore

@@ -117,6 +117,12 @@ class Store(ABC):
         """Return True once a key under ``prefix`` changed after ``after_revision``,
         False when ``timeout_s`` passed first. May return True spuriously."""
 
+    async def start(self) -> None:  # noqa: B027 - optional hook, most backends are lazy
+        """Connect and start the backend's own background work; lazy backends need not."""
+
+    def release_waiters(self) -> None:  # noqa: B027 - optional hook
+        """Wake every held :meth:`wait` now (the service is shutting down)."""
+
     @abstractmethod
     async def ping(self) -> None:
         """Raise StoreUnavailable unless the store answers a trivial read."""

@@ -1,65 +1,51 @@
-"""The embedded store: one SQLite file in WAL mode, emulating etcd's revisions and leases.
+"""The embedded store: every entry and lease in memory, made durable in one SQLite file.
 
-Writes run on one dedicated thread that owns the writing connection, so the event loop never
-waits for a write lock or an fsync. Reads (``get``, ``range``) run on the event loop's thread
-over a second connection: a WAL reader never waits for writers, and the hop to a thread would
-cost more than the read (a third of a request's CPU). Should a read find the file busy anyway
-(another process recovering the WAL, say), it is retried on the writer's thread, under the
-store timeout. A write transaction is ``BEGIN IMMEDIATE`` … ``COMMIT``; once ``txn`` returns,
-the change is in the WAL file, which survives a ``kill -9`` of the process (with
-``synchronous=NORMAL``, the default; ``?synchronous=full`` also survives power loss, at one
-fsync per write). Several processes may share the file; a busy database waits up to the store
-timeout, then answers :class:`StoreUnavailable`.
+One registry process owns the file (an exclusive ``flock``; a second process refuses to
+start), so memory is the truth and reads never touch SQLite: a ``get`` or ``range`` is a
+dictionary lookup on the event loop, with no thread hop and nothing that a stalled disk can
+block. A write is decided in memory (compares, leases), applied there, and handed to the
+file's thread, which commits the changes of every request waiting at that moment in one
+transaction (group commit); the request answers only after its change is in the WAL.
 
-Leases use this host's wall clock (``time.time``), the only clock the file's processes share,
-so a lease outlives a restart of the service with its remaining time intact.
+A reader never sees what is not yet durable: reading a key whose latest change is still on
+its way to the file waits for that commit (bounded by the store timeout). When a commit
+fails (a full or read-only disk), the changes after it fail too, the store answers 503
+naming the cause, and the next request reloads memory from the file (the last durable
+state), which recovers once the disk does. A file deleted or replaced under the process is
+detected (before every commit and every sweep) and stops the store for good, loudly.
+
+Leases use this host's wall clock (``time.time``), persisted as instants, so a lease
+outlives a restart of the service with its remaining time intact.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
-import queue
-import sqlite3
-import threading
+import heapq
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from app.errors import StoreUnavailable
-from app.store.base import (
-    Compare,
-    Delete,
-    Entry,
-    Lease,
-    Op,
-    Put,
-    Snapshot,
-    Store,
-    TxnResult,
-)
+from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
+from app.store.sqlite_thread import FileThread
 
-T = TypeVar("T")
+log = logging.getLogger("app.store")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS leases (
-    id INTEGER PRIMARY KEY, ttl_s INTEGER NOT NULL, expires_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS kv (
-    key TEXT PRIMARY KEY, value BLOB NOT NULL, mod_revision INTEGER NOT NULL,
-    lease INTEGER REFERENCES leases(id));
-CREATE INDEX IF NOT EXISTS kv_lease ON kv(lease);
-CREATE INDEX IF NOT EXISTS leases_expiry ON leases(expires_at);
-INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('next_lease', 1);
-"""
-
-_LIVE = "(kv.lease IS NULL OR kv.lease IN (SELECT id FROM leases WHERE expires_at > ?))"
+__all__ = ["FileLocked", "SqliteStore"]
 
 
-def _prefix_end(prefix: str) -> str:
-    # Every key starting with ``prefix`` sorts in [prefix, prefix + U+10FFFF).
-    return prefix + "\U0010ffff"
+@dataclass(slots=True)
+class _Lease:
+    ttl_s: int
+    expires_at: float
+    keys: set[str] = field(default_factory=set)
 
 
 class SqliteStore(Store):
@@ -69,393 +55,402 @@ class SqliteStore(Store):
         *,
         timeout_s: float = 10.0,
         synchronous: str = "NORMAL",
-        poll_interval_s: float = 0.25,
+        sweep_interval_s: float = 1.0,
+        max_pending: int = 20_000,
     ) -> None:
         self.path = str(path)
         self.description = f"sqlite:///{self.path}"
         self._timeout_s = timeout_s
-        self._poll_interval_s = poll_interval_s
-        # The thread that owns the connection, fed through a C-level queue: a call costs one
-        # put and one call_soon_threadsafe, where run_in_executor costs a Python-level
-        # Condition handshake and two chained futures (a visible share of a request's CPU).
-        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._conn: sqlite3.Connection | None = None
-        # Reads on the event loop's thread; the lock only keeps two loops (tests) apart.
-        self._reader: sqlite3.Connection | None = None
-        self._reader_lock = threading.Lock()
-        self._synchronous = synchronous.upper()
-        if self._synchronous not in {"OFF", "NORMAL", "FULL", "EXTRA"}:
+        self._sweep_interval_s = sweep_interval_s
+        self._max_pending = max_pending
+        synchronous = synchronous.upper()
+        if synchronous not in {"NORMAL", "FULL", "EXTRA"}:
             raise ValueError(f"synchronous must be NORMAL, FULL or EXTRA, not {synchronous!r}")
-        # Waiters: (prefix, future). Touched only on the event loop's thread.
-        self._waiters: list[tuple[str, asyncio.Future[None]]] = []
-        self._seen_revision = 0
-        self._lock = threading.Lock()
-        self._poller: asyncio.Task[None] | None = None
+        self._thread = FileThread(
+            SqliteFile(self.path, synchronous=synchronous, timeout_s=timeout_s)
+        )
+        self._kv: dict[str, Entry] = {}
+        self._keys: list[str] = []  # sorted, for prefix ranges
+        self._leases: dict[int, _Lease] = {}
+        self._expiry: list[tuple[float, int]] = []  # heap; stale items are skipped
+        self._revision = 0
+        self._next_lease = 1
+        # Keys whose latest change is not yet durable: key -> (sequence, its commit).
+        self._pending: dict[str, tuple[int, asyncio.Future[None]]] = {}
+        self._inflight = 0
+        self._seq = 0
+        self._loaded = False
+        self._failure: FileFailure | None = None
+        self._recovering: asyncio.Lock | None = None
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
-    # -- plumbing ------------------------------------------------------------------------
+    # -- loading and failures --------------------------------------------------------------
 
-    def _connect(self) -> sqlite3.Connection:
-        if self._conn is None:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(
-                self.path,
-                isolation_level=None,
-                check_same_thread=False,
-                timeout=self._timeout_s,
-            )
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(f"PRAGMA synchronous={self._synchronous}")
-            conn.execute(f"PRAGMA busy_timeout={int(self._timeout_s * 1000)}")
-            conn.execute("PRAGMA foreign_keys=OFF")
-            conn.executescript(_SCHEMA)
-            self._conn = conn
-        return self._conn
-
-    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run a read-only ``fn`` here, on the loop's thread, when it needs no waiting."""
-        if self._closed:
-            raise StoreUnavailable("The SQLite store is closed (the service is shutting down).")
-        # Until the writer has created the schema, and while another loop reads, take the
-        # thread path; also when the file is busy (timeout=0 below: never wait here).
-        if self._conn is not None and self._reader_lock.acquire(blocking=False):
-            reader = self._reader
-            try:
-                if reader is None:
-                    reader = self._reader = sqlite3.connect(
-                        self.path, isolation_level=None, check_same_thread=False, timeout=0
-                    )
-                return fn(reader)
-            except sqlite3.OperationalError:
-                if reader is not None and reader.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        reader.execute("ROLLBACK")
-            except sqlite3.Error as exc:
-                raise StoreUnavailable(
-                    f"SQLite store {self.path} failed: {exc}. "
-                    "Check the file's disk and permissions."
-                ) from exc
-            finally:
-                self._reader_lock.release()
-        return await self._run(fn)
-
-    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        if self._closed:
-            raise StoreUnavailable("The SQLite store is closed (the service is shutting down).")
-
-        def call() -> T:
-            with self._lock:
-                conn = self._connect()
-                return fn(conn)
-
+    async def start(self) -> None:
+        """Load the file (refusing one another process serves) and start the lease sweeper."""
         try:
-            return await asyncio.wait_for(self._submit(call), self._timeout_s)
-        except TimeoutError as exc:
-            raise StoreUnavailable(
-                f"SQLite store {self.path} did not answer within {self._timeout_s:g} s "
-                "(another process holding a write lock, or a stalled disk)."
-            ) from exc
-        except sqlite3.Error as exc:
-            raise StoreUnavailable(
-                f"SQLite store {self.path} failed: {exc}. Check the file's disk and permissions."
-            ) from exc
+            await self._recover()
+        except StoreUnavailable as exc:
+            if isinstance(exc.__cause__, FileLocked):
+                raise exc.__cause__ from None
+            log.error("SQLite store not loaded; answering 503", extra={"error": exc.detail})
 
-    def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[T] = loop.create_future()
-        if self._thread is None:
-            # A daemon: a store nobody closed must not hold the interpreter at exit (an
-            # interrupted write is then what a kill -9 leaves, which WAL recovers).
-            self._thread = threading.Thread(target=self._work, name="sqlite-store", daemon=True)
-            self._thread.start()
-        self._queue.put((call, fut, loop))
-        return fut
+    def _install(self, loaded: Loaded) -> None:
+        self._kv = {e.key: e for e in loaded.entries}
+        self._keys = [e.key for e in loaded.entries]  # ORDER BY key
+        self._leases = {i: _Lease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
+        for entry in loaded.entries:
+            if entry.lease is not None and entry.lease in self._leases:
+                self._leases[entry.lease].keys.add(entry.key)
+        self._expiry = [(lease.expires_at, i) for i, lease in self._leases.items()]
+        heapq.heapify(self._expiry)
+        self._revision, self._next_lease = loaded.revision, loaded.next_lease
+        self._pending.clear()
+        self._inflight = 0
+        self._loaded = True
+        self._failure = None
 
-    def _work(self) -> None:
-        """The connection's thread: run calls in order, hand each result to its loop."""
-        while True:
-            item = self._queue.get()
-            if item is None:
+    async def _recover(self) -> None:
+        """(Re)load memory from the file: at start, and after a failed commit."""
+        if self._closed:
+            raise StoreUnavailable("The SQLite store is closed (the service is shutting down).")
+        if self._recovering is None:
+            self._recovering = asyncio.Lock()
+        async with self._recovering:
+            if self._loaded and self._failure is None:
                 return
-            call, fut, loop = item
+            if self._failure is not None and self._failure.permanent:
+                raise StoreUnavailable(self._failure.detail)
             try:
-                outcome: tuple[Any, BaseException | None] = (call(), None)
-            except BaseException as exc:  # handed to the awaiting coroutine
-                outcome = (None, exc)
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_settle, fut, *outcome)
+                loaded = await self._thread.call(self._thread.file.load, self._timeout_s)
+            except FileFailure as exc:
+                self._fail(exc)
+                raise StoreUnavailable(exc.detail) from exc
+            except FileLocked as exc:
+                raise StoreUnavailable(str(exc)) from exc
+            recovered = self._failure is not None
+            self._install(loaded)
+            if recovered:
+                log.warning("SQLite store recovered: reloaded from the file")
+                self._wake_all()
+        if self._sweeper is None and not self._closed:
+            self._sweeper = asyncio.create_task(self._sweep())
 
-    @staticmethod
-    def _revision(conn: sqlite3.Connection) -> int:
-        row = conn.execute("SELECT v FROM meta WHERE k='revision'").fetchone()
-        return int(row[0])
+    def _fail(self, failure: FileFailure) -> None:
+        if self._failure is None or (failure.permanent and not self._failure.permanent):
+            log.error("SQLite store failed", extra={"error": failure.detail})
+        if self._failure is None or not self._failure.permanent:
+            self._failure = failure
 
-    @staticmethod
-    def _purge_expired(conn: sqlite3.Connection, now: float, revision: int) -> list[str]:
-        """Delete expired leases and their keys inside the caller's write transaction."""
-        keys = [
-            r[0]
-            for r in conn.execute(
-                "SELECT key FROM kv WHERE lease IN (SELECT id FROM leases WHERE expires_at <= ?)",
-                (now,),
-            )
-        ]
-        if keys:
-            conn.execute(
-                "DELETE FROM kv WHERE lease IN (SELECT id FROM leases WHERE expires_at <= ?)",
-                (now,),
-            )
-        conn.execute("DELETE FROM leases WHERE expires_at <= ?", (now,))
+    async def _usable(self) -> None:
+        if self._failure is not None or not self._loaded:
+            await self._recover()
+
+    # -- memory ------------------------------------------------------------------------------
+
+    def _alive(self, entry: Entry, now: float) -> bool:
+        if entry.lease is None:
+            return True
+        lease = self._leases.get(entry.lease)
+        return lease is not None and lease.expires_at > now
+
+    def _set(self, entry: Entry) -> None:
+        old = self._kv.get(entry.key)
+        if old is None:
+            bisect.insort(self._keys, entry.key)
+        elif (
+            old.lease is not None
+            and old.lease != entry.lease
+            and (lease := self._leases.get(old.lease)) is not None
+        ):
+            lease.keys.discard(entry.key)
+        if entry.lease is not None:
+            self._leases[entry.lease].keys.add(entry.key)
+        self._kv[entry.key] = entry
+
+    def _remove(self, key: str) -> bool:
+        old = self._kv.pop(key, None)
+        if old is None:
+            return False
+        del self._keys[bisect.bisect_left(self._keys, key)]
+        if old.lease is not None and (lease := self._leases.get(old.lease)) is not None:
+            lease.keys.discard(key)
+        return True
+
+    def _under(self, prefix: str) -> list[str]:
+        start = bisect.bisect_left(self._keys, prefix)
+        end = bisect.bisect_left(self._keys, prefix + "\U0010ffff", start)
+        return self._keys[start:end]
+
+    def _drop_lease(self, lease_id: int, change: Change) -> list[str]:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return []
+        keys = sorted(lease.keys)
+        for key in keys:
+            self._remove(key)
+        change.deletes.extend(keys)
+        change.lease_deletes.append(lease_id)
         return keys
 
-    def _write(
-        self, conn: sqlite3.Connection, body: Callable[[sqlite3.Connection, int], T]
-    ) -> tuple[T, int, list[str]]:
-        """Run ``body(conn, new_revision)`` in a write transaction; body returns its result."""
-        conn.execute("BEGIN IMMEDIATE")
+    # -- durability --------------------------------------------------------------------------
+
+    def _persist(self, change: Change, keys: Iterable[str]) -> asyncio.Future[None]:
+        self._seq += 1
+        seq = self._seq
+        fut = self._thread.commit(change)
+        self._inflight += 1
+        touched = list(keys)
+        for key in touched:
+            self._pending[key] = (seq, fut)
+
+        def done(f: asyncio.Future[None]) -> None:
+            self._inflight -= 1
+            for key in touched:
+                if self._pending.get(key, (0, None))[1] is f:
+                    del self._pending[key]
+            if not f.cancelled() and isinstance(exc := f.exception(), FileFailure):
+                self._fail(exc)
+
+        fut.add_done_callback(done)
+        return fut
+
+    async def _durable(self, fut: asyncio.Future[None], deadline: float | None = None) -> None:
+        timeout = self._timeout_s if deadline is None else deadline - time.monotonic()
         try:
-            revision = self._revision(conn) + 1
-            expired = self._purge_expired(conn, time.time(), revision)
-            result = body(conn, revision)
-            conn.execute("UPDATE meta SET v=? WHERE k='revision'", (revision,))
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        return result, revision, expired
+            await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0.0))
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"SQLite store {self.path} did not commit within {self._timeout_s:g} s "
+                "(a stalled or overloaded disk); the change may still take effect."
+            ) from None
+        except FileFailure as exc:
+            raise StoreUnavailable(exc.detail) from exc
 
-    def _notify(self, revision: int, changed: Sequence[str], prefixes: Sequence[str] = ()) -> None:
-        self._seen_revision = max(self._seen_revision, revision)
-        if not changed and not prefixes:
-            return
-        still: list[tuple[str, asyncio.Future[None]]] = []
-        for prefix, fut in self._waiters:
-            hit = any(k.startswith(prefix) for k in changed) or any(
-                prefix.startswith(p) or p.startswith(prefix) for p in prefixes
+    async def _settled(self, keys: Iterable[str]) -> None:
+        """Wait until none of ``keys`` has a change on its way to the file."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            latest: tuple[int, asyncio.Future[None]] | None = None
+            for key in keys:
+                item = self._pending.get(key)
+                if item is not None and (latest is None or item[0] > latest[0]):
+                    latest = item
+            if latest is None:
+                return
+            await self._durable(latest[1], deadline)
+
+    def _writable(self) -> None:
+        if self._inflight >= self._max_pending:
+            raise StoreUnavailable(
+                f"SQLite store {self.path}: {self._inflight} changes wait for the disk "
+                "(stalled or too slow); refusing more until it catches up."
             )
-            if hit and not fut.done():
-                fut.set_result(None)
-            elif not fut.done():
-                still.append((prefix, fut))
-        self._waiters = still
 
-    # -- reads -----------------------------------------------------------------------------
+    # -- reads -------------------------------------------------------------------------------
 
     async def get(self, key: str) -> Entry | None:
-        def fn(conn: sqlite3.Connection) -> Entry | None:
-            row = conn.execute(
-                f"SELECT key, value, mod_revision, lease FROM kv WHERE key=? AND {_LIVE}",
-                (key, time.time()),
-            ).fetchone()
-            return None if row is None else Entry(row[0], bytes(row[1]), row[2], row[3])
-
-        return await self._read(fn)
+        await self._usable()
+        if key in self._pending:
+            await self._settled([key])
+        entry = self._kv.get(key)
+        return entry if entry is not None and self._alive(entry, time.time()) else None
 
     async def range(self, prefix: str) -> Snapshot:
-        def fn(conn: sqlite3.Connection) -> Snapshot:
-            now = time.time()
-            conn.execute("BEGIN")
-            try:
-                rows = conn.execute(
-                    "SELECT kv.key, kv.value, kv.mod_revision, kv.lease, leases.expires_at "
-                    "FROM kv LEFT JOIN leases ON kv.lease = leases.id "
-                    "WHERE kv.key >= ? AND kv.key < ? "
-                    "AND (kv.lease IS NULL OR leases.expires_at > ?) ORDER BY kv.key",
-                    (prefix, _prefix_end(prefix), now),
-                ).fetchall()
-                revision = self._revision(conn)
-            finally:
-                conn.execute("COMMIT")
-            entries = [Entry(r[0], bytes(r[1]), r[2], r[3]) for r in rows]
-            remaining = {r[3]: r[4] - now for r in rows if r[3] is not None}
-            return Snapshot(entries, revision, remaining, read_at=now)
+        await self._usable()
+        if self._pending:
+            await self._settled([k for k in self._pending if k.startswith(prefix)])
+        now = time.time()
+        entries = [e for k in self._under(prefix) if self._alive(e := self._kv[k], now)]
+        remaining = {
+            e.lease: self._leases[e.lease].expires_at - now for e in entries if e.lease is not None
+        }
+        return Snapshot(entries, self._revision, remaining, read_at=now)
 
-        return await self._read(fn)
-
-    # -- writes ----------------------------------------------------------------------------
+    # -- writes ------------------------------------------------------------------------------
 
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
-        def body(conn: sqlite3.Connection, revision: int) -> bool:
-            now = time.time()
-            for cmp in compares:
-                row = conn.execute(
-                    f"SELECT mod_revision FROM kv WHERE key=? AND {_LIVE}", (cmp.key, now)
-                ).fetchone()
-                if (row[0] if row else 0) != cmp.mod_revision:
-                    raise _Rollback
-            for op in ops:
-                if isinstance(op, Put):
-                    if op.lease is not None:
-                        alive = conn.execute(
-                            "SELECT 1 FROM leases WHERE id=? AND expires_at > ?", (op.lease, now)
-                        ).fetchone()
-                        if alive is None:
-                            raise _Rollback
-                    conn.execute(
-                        "INSERT INTO kv(key, value, mod_revision, lease) VALUES (?,?,?,?) "
-                        "ON CONFLICT(key) DO UPDATE SET value=excluded.value, "
-                        "mod_revision=excluded.mod_revision, lease=excluded.lease",
-                        (op.key, op.value, revision, op.lease),
-                    )
-                elif op.prefix:
-                    conn.execute(
-                        "DELETE FROM kv WHERE key >= ? AND key < ?",
-                        (op.key, _prefix_end(op.key)),
-                    )
-                else:
-                    conn.execute("DELETE FROM kv WHERE key=?", (op.key,))
-            return True
-
-        def fn(conn: sqlite3.Connection) -> tuple[bool, int, list[str]]:
-            try:
-                ok, revision, expired = self._write(conn, body)
-            except _Rollback:
-                return False, self._revision(conn), []
-            return ok, revision, expired
-
-        ok, revision, expired = await self._run(fn)
-        changed = list(expired)
-        prefixes: list[str] = []
-        if ok:
-            for op in ops:
-                if isinstance(op, Delete) and op.prefix:
-                    prefixes.append(op.key)
-                else:
-                    changed.append(op.key)
-        self._notify(revision, changed, prefixes)
-        return TxnResult(ok, revision)
+        await self._usable()
+        self._writable()
+        now = time.time()
+        for cmp in compares:
+            entry = self._kv.get(cmp.key)
+            current = entry.mod_revision if entry is not None and self._alive(entry, now) else 0
+            if current != cmp.mod_revision:
+                return TxnResult(False, self._revision)
+        for op in ops:
+            if isinstance(op, Put) and op.lease is not None:
+                lease = self._leases.get(op.lease)
+                if lease is None or lease.expires_at <= now:
+                    return TxnResult(False, self._revision)
+        self._revision += 1
+        change = Change(self._revision, self._next_lease)
+        changed: list[str] = []
+        for op in ops:
+            if isinstance(op, Put):
+                entry = Entry(op.key, op.value, self._revision, op.lease)
+                self._set(entry)
+                change.puts.append(entry)
+                changed.append(op.key)
+            else:
+                for key in self._under(op.key) if op.prefix else [op.key]:
+                    if self._remove(key):
+                        change.deletes.append(key)
+                        changed.append(key)
+        fut = self._persist(change, changed)
+        self._notify(changed)
+        await self._durable(fut)
+        return TxnResult(True, change.revision)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
-        def body(conn: sqlite3.Connection, revision: int) -> int:
-            lease_id = int(conn.execute("SELECT v FROM meta WHERE k='next_lease'").fetchone()[0])
-            conn.execute("UPDATE meta SET v=? WHERE k='next_lease'", (lease_id + 1,))
-            conn.execute(
-                "INSERT INTO leases(id, ttl_s, expires_at) VALUES (?,?,?)",
-                (lease_id, ttl_s, time.time() + ttl_s),
-            )
-            return lease_id
-
-        lease_id, revision, expired = await self._run(lambda c: self._write(c, body))
-        self._notify(revision, expired)
+        await self._usable()
+        self._writable()
+        lease_id = self._next_lease
+        self._next_lease += 1
+        expires_at = time.time() + ttl_s
+        self._leases[lease_id] = _Lease(ttl_s, expires_at)
+        heapq.heappush(self._expiry, (expires_at, lease_id))
+        # Not awaited: any change that uses the lease commits after it, in order.
+        self._persist(
+            Change(self._revision, self._next_lease, lease_puts=[(lease_id, ttl_s, expires_at)]), ()
+        )
         return Lease(lease_id, ttl_s, float(ttl_s))
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
-        def fn(conn: sqlite3.Connection) -> Lease | None:
-            now = time.time()
-            row = conn.execute(
-                "SELECT ttl_s FROM leases WHERE id=? AND expires_at > ?", (lease_id, now)
-            ).fetchone()
-            if row is None:
-                return None
-            conn.execute("UPDATE leases SET expires_at=? WHERE id=?", (now + row[0], lease_id))
-            return Lease(lease_id, int(row[0]), float(row[0]))
-
-        return await self._run(fn)
+        await self._usable()
+        self._writable()
+        lease = self._leases.get(lease_id)
+        now = time.time()
+        if lease is None or lease.expires_at <= now:
+            return None
+        lease.expires_at = now + lease.ttl_s
+        heapq.heappush(self._expiry, (lease.expires_at, lease_id))
+        change = Change(
+            self._revision, self._next_lease, lease_puts=[(lease_id, lease.ttl_s, lease.expires_at)]
+        )
+        await self._durable(self._persist(change, ()))
+        return Lease(lease_id, lease.ttl_s, float(lease.ttl_s))
 
     async def revoke_lease(self, lease_id: int) -> None:
-        def body(conn: sqlite3.Connection, revision: int) -> list[str]:
-            keys = [r[0] for r in conn.execute("SELECT key FROM kv WHERE lease=?", (lease_id,))]
-            conn.execute("DELETE FROM kv WHERE lease=?", (lease_id,))
-            conn.execute("DELETE FROM leases WHERE id=?", (lease_id,))
-            return keys
-
-        keys, revision, expired = await self._run(lambda c: self._write(c, body))
-        self._notify(revision, keys + expired)
+        await self._usable()
+        if lease_id not in self._leases:
+            return
+        self._revision += 1
+        change = Change(self._revision, self._next_lease)
+        keys = self._drop_lease(lease_id, change)
+        # Not awaited: readers of these keys wait for the commit themselves.
+        self._persist(change, keys)
+        self._notify(keys)
 
     async def purge_expired(self) -> int:
-        """Delete expired leases' entries now (waking waiters); returns how many went."""
+        """Delete expired leases and their entries now (waking waiters); how many keys went."""
+        await self._usable()
+        now = time.time()
+        expired: list[int] = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiry)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at <= now:
+                expired.append(lease_id)
+        if not expired:
+            return 0
+        self._revision += 1
+        change = Change(self._revision, self._next_lease)
+        keys = [k for lease_id in expired for k in self._drop_lease(lease_id, change)]
+        self._persist(change, keys)
+        self._notify(keys)
+        return len(keys)
 
-        def body(conn: sqlite3.Connection, revision: int) -> None:
-            return None
+    async def _sweep(self) -> None:
+        """Purge expired leases (so waiters wake and the file stays small) and notice a
+        database file deleted or replaced under us, even when no write comes."""
+        while not self._closed:
+            await asyncio.sleep(self._sweep_interval_s)
+            try:
+                self._thread.file.check_identity()
+                if self._loaded and self._failure is None:
+                    await self.purge_expired()
+            except FileFailure as exc:
+                self._fail(exc)
+            except StoreUnavailable:
+                continue
 
-        _, revision, expired = await self._run(lambda c: self._write(c, body))
-        self._notify(revision, expired)
-        return len(expired)
+    # -- waiting -----------------------------------------------------------------------------
 
-    # -- waiting ---------------------------------------------------------------------------
+    def _notify(self, keys: Iterable[str]) -> None:
+        if not self._waiters:
+            return
+        for key in keys:
+            cut = 0
+            while True:
+                for fut in self._waiters.pop(key[:cut], ()):
+                    if not fut.done():
+                        fut.set_result(None)
+                slash = key.find("/", cut)
+                if slash < 0:
+                    break
+                cut = slash + 1
+            for fut in self._waiters.pop(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+        # Prefixes that do not end at a "/" (none in this service, allowed by the API).
+        for prefix in [p for p in self._waiters if p and not p.endswith("/")]:
+            if any(k.startswith(prefix) for k in keys):
+                for fut in self._waiters.pop(prefix):
+                    if not fut.done():
+                        fut.set_result(None)
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for futs in waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def wait(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append((prefix, fut))
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.create_task(self._poll_external_writes())
-        # A change may have landed between the caller's read and this registration.
-        snapshot = await self.range(prefix)
-        if any(e.mod_revision > after_revision for e in snapshot.entries):
-            fut.cancel()
+        await self._usable()
+        if any(self._kv[k].mod_revision > after_revision for k in self._under(prefix)):
             return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(prefix, set()).add(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            await asyncio.wait_for(fut, timeout_s)
             return True
         except TimeoutError:
             return False
         finally:
-            if not fut.done():
-                fut.cancel()
-            self._waiters = [(p, f) for p, f in self._waiters if f is not fut]
+            if (futs := self._waiters.get(prefix)) is not None:
+                futs.discard(fut)
+                if not futs:
+                    del self._waiters[prefix]
 
-    async def _poll_external_writes(self) -> None:
-        """Wake every waiter when another process wrote to the file (we can't tell what)."""
-        while self._waiters and not self._closed:
-            await asyncio.sleep(self._poll_interval_s)
-            try:
-                revision = await self._run(self._revision)
-            except StoreUnavailable:
-                continue
-            if revision > self._seen_revision:
-                self._seen_revision = revision
-                self._notify(revision, [], [""])
+    def release_waiters(self) -> None:
+        """Wake every held ``wait`` now (the service is shutting down)."""
+        self._wake_all()
 
-    # -- lifecycle -------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        await self._run(self._revision)
+        """A real write to the file, so readiness fails whenever writes would."""
+        await self._usable()
+        try:
+            await self._thread.call(self._thread.file.probe, self._timeout_s)
+        except FileFailure as exc:
+            self._fail(exc)
+            raise StoreUnavailable(exc.detail) from exc
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.cancel()
-        self._waiters = []
-        if self._poller is not None:
-            self._poller.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+                await self._sweeper
+        self._wake_all()
+        await self._thread.stop(self._timeout_s)
 
-        with self._reader_lock:
-            if self._reader is not None:
-                self._reader.close()
-                self._reader = None
-
-        def shut() -> None:
-            with self._lock:
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
-
-        if self._thread is None:
-            shut()
-            return
-        await self._submit(shut)
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-
-
-_Call = tuple[Callable[[], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
-
-
-def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if fut.done():  # the caller timed out (wait_for cancelled it)
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
-
-
-class _Rollback(Exception):
-    """A compare failed, or a Put named an expired lease: the transaction applies nothing."""
+    def stats(self) -> dict[str, Any]:
+        return {"keys": len(self._kv), "leases": len(self._leases), "pending": self._inflight}

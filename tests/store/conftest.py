@@ -24,7 +24,7 @@ StoreFactory = Callable[[Path], AbstractAsyncContextManager[Store]]
 
 @asynccontextmanager
 async def sqlite_store(tmp_path: Path) -> AsyncIterator[Store]:
-    store = SqliteStore(tmp_path / "registry.db", timeout_s=5.0, poll_interval_s=0.05)
+    store = SqliteStore(tmp_path / "registry.db", timeout_s=5.0)
     try:
         yield store
     finally:
