@@ -16,28 +16,39 @@ from pydantic import ValidationError
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+# Flags kept from before the flags were derived from the settings' fields.
+_FLAG_ALIASES = {"store_timeout_s": ["--store-timeout"]}
 
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of :class:`app.settings.Settings`; values are validated there."""
+    from app.settings import Settings
+
+    for name, field in Settings.model_fields.items():
+        flags = [f"--{name.replace('_', '-')}", *_FLAG_ALIASES.get(name, [])]
+        env = f"REGISTRY_{name.upper()}"
+        default = "none" if field.default is None else field.default
+        text = f"{field.description or ''} ({env}, default {default})".strip()
+        if field.annotation is bool:
+            parser.add_argument(
+                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+        else:
+            parser.add_argument(*flags, dest=name, default=None, metavar="V", help=text)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from app import logs
     from app.auth import TokenFileError
     from app.main import create_app
+    from app.server import serve
     from app.settings import Settings
 
     overrides: dict[str, Any] = {
-        k: v
-        for k, v in {
-            "host": args.host,
-            "port": args.port,
-            "store": args.store,
-            "tokens_file": args.tokens_file,
-            "store_timeout_s": args.store_timeout,
-            "log_level": args.log_level,
-        }.items()
-        if v is not None
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
     }
-    if args.insecure:
-        overrides["insecure"] = True
     try:
         # Its validator reads the tokens, so a bad tokens file fails here, once.
         settings = Settings(**overrides)
@@ -50,14 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"engine-registry: cannot start: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-    )
+    serve(app, settings)
     return 0
 
 
@@ -131,19 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the registry service")
-    serve.add_argument("--host", help="listen address (REGISTRY_HOST, default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="listen port (REGISTRY_PORT, default 8080)")
-    serve.add_argument(
-        "--store", help="sqlite:///path.db or etcd://h:p[,h:p]/prefix (REGISTRY_STORE)"
-    )
-    serve.add_argument("--tokens-file", help="role:token lines (REGISTRY_TOKENS_FILE)")
-    serve.add_argument(
-        "--insecure", action="store_true", help="allow no tokens off loopback (REGISTRY_INSECURE)"
-    )
-    serve.add_argument(
-        "--store-timeout", type=float, help="seconds before a store call answers 503"
-    )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_settings_flags(serve)
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="show a running registry's groups as a table")

@@ -6,6 +6,7 @@
     ├── Unauthorized          401      unauthorized
     ├── Forbidden             403      forbidden
     ├── NotFound              404      not_found
+    ├── RequestTimeout        408      request_timeout (a body that did not arrive in time)
     ├── PayloadTooLarge       413      payload_too_large
     ├── GroupConflict         409      group_conflict
     ├── LaunchSuperseded      409      launch_superseded (current_generation)
@@ -81,6 +82,12 @@ class NotFound(RegistryError):
     status = 404
     code = "not_found"
     title = "Not found"
+
+
+class RequestTimeout(RegistryError):
+    status = 408
+    code = "request_timeout"
+    title = "The request did not arrive in time"
 
 
 class PayloadTooLarge(RegistryError):

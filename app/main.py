@@ -15,6 +15,7 @@ from starlette.responses import Response
 from app.api.routes import engines, health, tp_groups
 from app.auth import AuthMiddleware
 from app.errors import HttpProblem, InvalidRequest, NotFound, PayloadTooLarge, RegistryError
+from app.jsonbody import JsonLimitError
 from app.metrics import Metrics
 from app.middleware import TOO_LARGE, BodyLimitMiddleware, ObserveMiddleware
 from app.problems import field_errors, problem_response
@@ -85,11 +86,19 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         elif exc.status_code == 400:
             # FastAPI answers 400 when parsing the body fails with anything but a
             # JSONDecodeError (an integer of more than 4300 digits, say); the contract: 422.
-            why = str(exc.__cause__ or exc.detail)
-            error = InvalidRequest(
-                f"The request body cannot be parsed as JSON: {why}",
-                errors=[{"loc": ["body"], "msg": why, "type": "json_invalid"}],
-            )
+            cause = exc.__cause__
+            why = str(cause or exc.detail)
+            if isinstance(cause, JsonLimitError):
+                where = ".".join(map(str, cause.loc))
+                error = InvalidRequest(
+                    f"The request body breaks a JSON limit at {where}: {why}",
+                    errors=[{"loc": cause.loc, "msg": why, "type": "json_limit"}],
+                )
+            else:
+                error = InvalidRequest(
+                    f"The request body cannot be parsed as JSON: {why}",
+                    errors=[{"loc": ["body"], "msg": why, "type": "json_invalid"}],
+                )
         else:
             code = {405: "method_not_allowed"}.get(exc.status_code, "http_error")
             error = HttpProblem(exc.status_code, code, str(exc.detail))
@@ -104,7 +113,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         )
 
     # Outermost first: ids and metrics see everything; auth runs before any parsing.
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+    )
     app.add_middleware(AuthMiddleware, tokens=settings.auth_tokens())
     app.add_middleware(ObserveMiddleware, metrics=metrics, access_log=settings.access_log)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -9,7 +10,9 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.errors import RequestTimeout
 from app.metrics import Metrics
+from app.problems import send_problem
 
 log = logging.getLogger("app.access")
 
@@ -40,7 +43,9 @@ class ObserveMiddleware:
             return
         started = time.perf_counter()
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if 0 < len(given) <= 64 and given.isprintable() else new_request_id()
+        # Kept only when it is printable ASCII: anything else would come back altered.
+        sane = 0 < len(given) <= 64 and given.isascii() and given.isprintable()
+        request_id = given if sane else new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
 
@@ -82,9 +87,10 @@ class BodyLimitMiddleware:
     and marks the request, so that path and query errors still answer 422 first and the
     validation handler answers 413 instead of "body missing" (the contract's order)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in {"GET", "HEAD"}:
@@ -97,18 +103,27 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         size = 0
         if not too_large:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > self.limit:
-                    too_large = True
-                    break
-                chunks.append(chunk)
-                if not message.get("more_body", False):
-                    break
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            return
+                        chunk = message.get("body", b"")
+                        size += len(chunk)
+                        if size > self.limit:
+                            too_large = True
+                            break
+                        chunks.append(chunk)
+                        if not message.get("more_body", False):
+                            break
+            except TimeoutError:
+                slow = RequestTimeout(
+                    f"The request body did not arrive within {self.timeout_s:g} s "
+                    f"({size} bytes came; REGISTRY_BODY_TIMEOUT_S)."
+                )
+                await send_problem(send, slow, scope, extra_headers=[(b"connection", b"close")])
+                return
         body = b"" if too_large else b"".join(chunks)
         if too_large:
             scope.setdefault("state", {})[TOO_LARGE] = True

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -50,12 +50,14 @@ from app.schemas import (
     Target,
     parse_host,
 )
-from app.store import Compare, Delete, Put, Snapshot, Store
+from app.store import Compare, Delete, Entry, Put, Snapshot, Store
 from app.topology import TopologyError, plan_targets
 
 # Optimistic transactions retry this often before giving up with 503 (never reached in
 # practice: each retry means another writer made progress).
 MAX_ATTEMPTS = 200
+
+R = TypeVar("R", bound=BaseModel)
 
 
 def utc_iso(ts: float) -> str:
@@ -115,6 +117,28 @@ def _dump(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
+class Decoded:
+    """Stored records parsed once per version: reads re-parse nothing that did not change."""
+
+    LIMIT = 200_000
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[int, BaseModel]] = {}
+
+    def record(self, entry: Entry, kind: type[R]) -> R:
+        hit = self._cache.get(entry.key)
+        if hit is not None and hit[0] == entry.mod_revision and type(hit[1]) is kind:
+            return hit[1]
+        value = kind.model_validate_json(entry.value)
+        if len(self._cache) >= self.LIMIT:
+            self._cache.clear()
+        self._cache[entry.key] = (entry.mod_revision, value)
+        return value
+
+
+_UNCACHED = Decoded()
+
+
 @dataclass
 class GroupState:
     """One consistent read of a group: its engine and live agents."""
@@ -127,19 +151,20 @@ class GroupState:
     revision: int
 
     @classmethod
-    def read(cls, snap: Snapshot, gid: str) -> GroupState | None:
+    def read(cls, snap: Snapshot, gid: str, decoded: Decoded = _UNCACHED) -> GroupState | None:
         engine: EngineRecord | None = None
         engine_revision = 0
         agents: dict[int, AgentRecord] = {}
         revisions: dict[int, int] = {}
         expires: dict[int, float] = {}
         now = snap.read_at
+        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
         for entry in snap.entries:
-            if entry.key == _engine_key(gid):
-                engine = EngineRecord.model_validate_json(entry.value)
+            if entry.key == engine_key:
+                engine = decoded.record(entry, EngineRecord)
                 engine_revision = entry.mod_revision
-            elif entry.key.startswith(_agent_prefix(gid)):
-                agent = AgentRecord.model_validate_json(entry.value)
+            elif entry.key.startswith(agent_prefix):
+                agent = decoded.record(entry, AgentRecord)
                 agents[agent.rank] = agent
                 revisions[agent.rank] = entry.mod_revision
                 remaining = snap.lease_remaining_s.get(agent.lease, float(agent.ttl_s))
@@ -184,11 +209,35 @@ class Registry:
     def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
+        self.decoded = Decoded()
+        self.draining = False
+        self._drained: asyncio.Event | None = None
+
+    def drain(self) -> None:
+        """The service is shutting down: every held ``wait_ready`` answers now."""
+        self.draining = True
+        if self._drained is not None:
+            self._drained.set()
+
+    async def _wait_change(self, prefix: str, revision: int, timeout_s: float) -> None:
+        if self._drained is None:
+            self._drained = asyncio.Event()
+            if self.draining:
+                self._drained.set()
+        change = asyncio.ensure_future(self.store.wait(prefix, revision, timeout_s))
+        drained = asyncio.ensure_future(self._drained.wait())
+        try:
+            await asyncio.wait({change, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            change.cancel()
+            drained.cancel()
+        if change.done() and not change.cancelled():
+            change.result()  # a store failure answers 503
 
     # -- reads -------------------------------------------------------------------------------
 
     async def _group(self, gid: str) -> GroupState:
-        state = GroupState.read(await self.store.range(_group_prefix(gid)), gid)
+        state = GroupState.read(await self.store.range(_group_prefix(gid)), gid, self.decoded)
         if state is None:
             raise NotFound(
                 f"No TP group {gid!r} in this registry. Its rank 0 opens it with "
@@ -201,11 +250,11 @@ class Registry:
         if not wait_ready_s:
             return state.view()
         deadline = time.monotonic() + wait_ready_s
-        while state.missing:
+        while state.missing and not self.draining:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            await self.store.wait(_group_prefix(gid), state.revision, remaining)
+            await self._wait_change(_group_prefix(gid), state.revision, remaining)
             state = await self._group(gid)
         return state.view()
 
@@ -218,7 +267,7 @@ class Registry:
         views = []
         for gid, entries in by_group.items():
             sub = Snapshot(entries, snap.revision, snap.lease_remaining_s, snap.read_at)
-            state = GroupState.read(sub, gid)
+            state = GroupState.read(sub, gid, self.decoded)
             if state is not None:
                 views.append(state.view())
         return views
@@ -235,7 +284,7 @@ class Registry:
                 "deleted). Check that the decode and the prefill use the same registry."
             )
         state = GroupState.read(
-            await self.store.range(_group_prefix(index.group_id)), index.group_id
+            await self.store.range(_group_prefix(index.group_id)), index.group_id, self.decoded
         )
         if state is None:
             raise NotFound(f"engine_id {engine_id!r} belonged to a group that was deleted.")
@@ -256,7 +305,7 @@ class Registry:
         """Open the engine of ``req.launch_id``; returns (engine, created)."""
         for _ in range(MAX_ATTEMPTS):
             snap = await self.store.range(_group_prefix(gid))
-            state = GroupState.read(snap, gid)
+            state = GroupState.read(snap, gid, self.decoded)
             generation = 1
             if state is not None:
                 current = state.engine
@@ -522,14 +571,10 @@ class Registry:
                 mismatches=found,
             )
         missing = [r for r in plan.target_ranks if r not in state.agents]
-        blobs = await asyncio.gather(
-            *(self.store.get(_blob_key(engine.group_id, r)) for r in plan.target_ranks)
-        )
-        missing += [
-            r
-            for r, b in zip(plan.target_ranks, blobs, strict=True)
-            if b is None and r not in missing
-        ]
+        by_rank: dict[int, bytes] = {}
+        if not missing:
+            by_rank = await self._blobs(engine.group_id, plan.target_ranks)
+            missing = [r for r in plan.target_ranks if r not in by_rank]
         if missing:
             raise NotReady(
                 f"target ranks {sorted(missing)} of engine {engine_id} (group "
@@ -539,14 +584,13 @@ class Registry:
                 missing_ranks=sorted(missing),
             )
         targets = []
-        for r, b in zip(plan.target_ranks, blobs, strict=True):
+        for r in plan.target_ranks:
             agent = state.agents[r]
-            assert b is not None
             targets.append(
                 Target(
                     rank=r,
                     agent_name=agent.agent_name,
-                    agent_metadata=base64.b64encode(b.value).decode(),
+                    agent_metadata=base64.b64encode(by_rank[r]).decode(),
                     host=agent.host,
                     kv=agent.kv,
                     expires_at=utc_iso(state.expires_at[r]),
@@ -560,6 +604,20 @@ class Registry:
             tp_ratio=plan.tp_ratio,
             targets=targets,
         )
+
+    async def _blobs(self, gid: str, ranks: list[int]) -> dict[int, bytes]:
+        """The metadata blobs of ``ranks``: a get each for a few, one range read for many
+        (linear in the number of targets either way)."""
+        if len(ranks) <= 8:
+            found = await asyncio.gather(*(self.store.get(_blob_key(gid, r)) for r in ranks))
+            return {r: b.value for r, b in zip(ranks, found, strict=True) if b is not None}
+        wanted = set(ranks)
+        by_rank = {}
+        for entry in (await self.store.range(f"blobs/{gid}/")).entries:
+            rank = int(entry.key.rsplit("/", 1)[1])
+            if rank in wanted:
+                by_rank[rank] = entry.value
+        return by_rank
 
     # -- observability -----------------------------------------------------------------------
 

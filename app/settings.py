@@ -42,6 +42,21 @@ class Settings(BaseSettings):
     sweep_interval_s: float = Field(
         1.0, gt=0, le=60, description="How often expired leases are purged (SQLite)."
     )
+    keep_alive_s: int = Field(
+        30, ge=1, le=3600, description="Idle keep-alive connections close after this."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="A request's headers must arrive within this (408)."
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="A request's body must arrive within this (408)."
+    )
+    max_header_bytes: int = Field(
+        65536, ge=4096, le=1048576, description="Largest request head accepted (431)."
+    )
+    max_connections: int = Field(
+        8192, ge=16, description="Open connections; past it the idlest is closed."
+    )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
     access_log: bool = Field(True, description="One log line per request.")
 

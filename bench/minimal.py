@@ -65,12 +65,11 @@ def fastapi_app() -> Any:
 
 
 def uvicorn_options() -> dict[str, Any]:
-    """The registry's uvicorn settings (app/cli.py), so ceilings run under the same ones."""
-    try:
-        from app.cli import UVICORN_OPTIONS  # type: ignore[attr-defined]
-    except ImportError:
-        return {"log_config": None, "access_log": False, "timeout_graceful_shutdown": 10}
-    return dict(UVICORN_OPTIONS)
+    """The registry's own server settings (app/server.py), so ceilings run under them."""
+    from app.server import uvicorn_options as registry_options
+    from app.settings import Settings
+
+    return registry_options(Settings())
 
 
 def main(argv: list[str]) -> int:

@@ -6,6 +6,8 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
+from app.errors import PayloadTooLarge
+from app.middleware import TOO_LARGE
 from app.registry import Registry
 from app.schemas import GROUP_ID_PATTERN, MAX_TP_SIZE
 
@@ -23,3 +25,13 @@ GroupIdPath = Annotated[
 ]
 RankPath = Annotated[int, Path(ge=0, lt=MAX_TP_SIZE, description="TP rank")]
 EngineIdPath = Annotated[str, Path(min_length=1, max_length=128)]
+
+
+def refuse_oversized_body(request: Request) -> None:
+    """For routes without a body: past the size limit is 413 before any state is read (the
+    contract's order: shape, size, existence, state), not silently ignored."""
+    if request.scope.get("state", {}).get(TOO_LARGE):
+        raise PayloadTooLarge(
+            "The request body is larger than the registry's limit (REGISTRY_MAX_BODY_BYTES); "
+            "this route takes no body: send none."
+        )

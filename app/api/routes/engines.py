@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app.api.deps import EngineIdPath, RegistryDep
+from app.jsonbody import LimitedJsonRoute
 from app.schemas import Engine, Handshake, HandshakeRequest
 
-router = APIRouter(prefix="/engines", tags=["engines"])
+router = APIRouter(prefix="/engines", tags=["engines"], route_class=LimitedJsonRoute)
 
 
 @router.get("/{engine_id}", response_model=Engine, summary="Resolve an engine_id")

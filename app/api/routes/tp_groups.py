@@ -6,7 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from app.api.deps import GroupIdPath, RankPath, RegistryDep
+from app.api.deps import GroupIdPath, RankPath, RegistryDep, refuse_oversized_body
+from app.jsonbody import LimitedJsonRoute
 from app.schemas import (
     Agent,
     Engine,
@@ -17,7 +18,7 @@ from app.schemas import (
     RegisterAgentRequest,
 )
 
-router = APIRouter(prefix="/tp-groups", tags=["tp-groups"])
+router = APIRouter(prefix="/tp-groups", tags=["tp-groups"], route_class=LimitedJsonRoute)
 
 
 @router.get("", response_model=Groups, summary="Current engine of every group")
@@ -55,7 +56,8 @@ async def get_engine(
 @router.delete(
     "/{group_id}", status_code=status.HTTP_204_NO_CONTENT, summary="Forget a group entirely"
 )
-async def delete_group(group_id: GroupIdPath, registry: RegistryDep) -> Response:
+async def delete_group(group_id: GroupIdPath, registry: RegistryDep, request: Request) -> Response:
+    refuse_oversized_body(request)
     await registry.delete_group(group_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -102,6 +104,8 @@ async def deregister_agent(
     rank: RankPath,
     registry: RegistryDep,
     engine_id: Annotated[str, Query(min_length=1, max_length=128)],
+    request: Request,
 ) -> Response:
+    refuse_oversized_body(request)
     await registry.deregister(group_id, rank, engine_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

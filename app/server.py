@@ -1,0 +1,250 @@
+"""Runs the app under uvicorn with the limits a control plane on a shared network needs.
+
+uvicorn (httptools) has no timeout for a request's headers and no bound on their size, and
+it starts its keep-alive timer only after a first response: a connection that never sends a
+byte, or trickles a header forever, holds a descriptor and memory for good. The protocol
+below adds, per connection:
+
+- ``header_timeout_s``: the headers of each request must arrive within this many seconds of
+  the connection opening or of the request's first byte, else ``408`` and the connection
+  closes (slowloris, idle connections that never send);
+- ``max_header_bytes``: a request whose headers exceed this answers ``431`` and closes;
+- a malformed request gets a problem+json ``400`` (uvicorn's own is plain text).
+
+Idle keep-alive connections close after ``keep_alive_s`` (longer than a worker's heartbeat
+interval, so a worker's connection is reused rather than raced by the server's close);
+``max_connections`` bounds open connections: past it the connection idle the longest is
+closed to make room (``503`` when every one is busy); it is kept below the process's
+descriptor limit, whose soft value is raised to the hard one at start. A request body must
+arrive within ``body_timeout_s`` (``408``; see ``app.middleware``).
+
+On SIGTERM the registry drains first: every held ``wait_ready`` answers at once with the
+group's current state, then uvicorn closes connections and the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.problems import PROBLEM_MEDIA_TYPE
+from app.settings import Settings
+
+log = logging.getLogger("app")
+
+# Descriptors kept for the store, logs and the listening socket, below the limit.
+FD_RESERVE = 64
+
+
+def _problem_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
+    body = json.dumps(
+        {
+            "type": f"urn:engine-registry:problem:{code}",
+            "title": reason,
+            "status": status,
+            "detail": detail,
+            "code": code,
+        }
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: {PROBLEM_MEDIA_TYPE}\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def guarded_protocol(
+    header_timeout_s: float, max_header_bytes: int, max_connections: int
+) -> type[HttpToolsProtocol]:
+    class GuardedProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _opened = 0.0
+        _header_bytes = 0  # bytes of unfinished heads received
+        _head_bytes = 0  # the current head's URL and header fields
+        _in_headers = True
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._opened = self.loop.time()
+            self._arm()
+            if len(self.connections) > max_connections:
+                self._make_room()
+
+        def _idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _make_room(self) -> None:
+            """At the limit: close the connection idle the longest (as nginx drains idle
+            keep-alive connections), or refuse this one when every other is busy."""
+            idle = [
+                c
+                for c in self.connections
+                if c is not self and isinstance(c, GuardedProtocol) and c._idle()
+            ]
+            if idle:
+                oldest = min(idle, key=lambda c: c._opened)
+                oldest._disarm()
+                oldest.transport.close()
+                return
+            self._refuse(
+                503,
+                "Service Unavailable",
+                "too_many_connections",
+                f"The registry holds {max_connections} busy connections "
+                "(REGISTRY_MAX_CONNECTIONS); retry shortly.",
+            )
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _refuse(self, status: int, reason: str, code: str, detail: str) -> None:
+            self._disarm()
+            if not self.transport.is_closing():
+                self.transport.write(_problem_bytes(status, reason, code, detail))
+                self.transport.close()
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if self._in_headers and (self.cycle is None or self.cycle.response_complete):
+                self._refuse(
+                    408,
+                    "Request Timeout",
+                    "request_timeout",
+                    f"The request's headers did not arrive within {header_timeout_s:g} s.",
+                )
+
+        def on_message_begin(self) -> None:
+            # A new request's first byte: its head is now being read, against the clock.
+            self._in_headers = True
+            self._head_bytes = 0
+            self._arm()
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._head_bytes += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_bytes += len(name) + len(value) + 4
+            super().on_header(name, value)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._in_headers:
+                super().data_received(data)
+                return
+            super().data_received(data)
+            if self._in_headers and not self.transport.is_closing():
+                # The whole chunk belongs to an unfinished head, which the parser buffers:
+                # stop reading it once it is past the limit.
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._too_large()
+
+        def _too_large(self) -> None:
+            self._refuse(
+                431,
+                "Request Header Fields Too Large",
+                "headers_too_large",
+                f"The request's headers exceed {max_header_bytes} bytes.",
+            )
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            self._header_bytes = 0
+            self._disarm()
+            if self._head_bytes > max_header_bytes:
+                self._too_large()
+                return
+            super().on_headers_complete()
+
+        # After a refusal mid-chunk the parser goes on: there is no request cycle to feed.
+        def on_body(self, body: bytes) -> None:
+            if not self.transport.is_closing():
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self.transport.is_closing():
+                super().on_message_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            self._refuse(400, "Bad Request", "bad_http_request", f"Malformed HTTP request: {msg}")
+
+    return GuardedProtocol
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft descriptor limit to the hard one; returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class RegistryServer(uvicorn.Server):
+    """uvicorn, draining the registry's held requests as soon as a shutdown signal comes."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        registry = getattr(self._app.state, "registry", None)
+        if registry is not None:
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(registry.drain)
+            except RuntimeError:
+                registry.drain()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """The server's settings, shared with the benchmarks' ceiling servers."""
+    limit = raise_fd_limit()
+    max_connections = max(16, min(settings.max_connections, limit - FD_RESERVE))
+    if max_connections < settings.max_connections:
+        log.warning(
+            "connection limit lowered to fit the descriptor limit",
+            extra={"max_connections": max_connections, "nofile": limit},
+        )
+    return {
+        "http": guarded_protocol(
+            settings.header_timeout_s, settings.max_header_bytes, max_connections
+        ),
+        "loop": "uvloop",
+        "log_config": None,
+        "access_log": False,
+        "timeout_keep_alive": settings.keep_alive_s,
+        "backlog": 4096,
+        "timeout_graceful_shutdown": 10,
+    }
+
+
+def serve(app: FastAPI, settings: Settings) -> None:
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, **uvicorn_options(settings)
+    )
+    RegistryServer(config, app).run()
