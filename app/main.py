@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from app.api.fastpath import FastPath
 from app.api.routes import engines, health, tp_groups
 from app.auth import AuthMiddleware
 from app.errors import HttpProblem, InvalidRequest, NotFound, PayloadTooLarge, RegistryError
@@ -112,7 +113,10 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             request.scope,
         )
 
-    # Outermost first: ids and metrics see everything; auth runs before any parsing.
+    # Innermost first (each add wraps the ones before): the hot routes' fast path in front of
+    # the router; the body limit; auth before any parsing; ids and metrics around everything.
+    if settings.fast_path:
+        app.add_middleware(FastPath, routes=[*tp_groups.router.routes, *engines.router.routes])
     app.add_middleware(
         BodyLimitMiddleware, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s
     )

@@ -47,6 +47,7 @@ from app.schemas import (
     Heartbeat,
     OpenEngineRequest,
     RegisterAgentRequest,
+    Role,
     Target,
     parse_host,
 )
@@ -60,8 +61,16 @@ MAX_ATTEMPTS = 200
 R = TypeVar("R", bound=BaseModel)
 
 
+_SECOND: list[Any] = [None, ""]  # the last second formatted, and its text
+
+
 def utc_iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    """``2026-11-29T14:00:00.123Z``; the seconds part is formatted once per second."""
+    whole = int(ts)
+    if _SECOND[0] != whole:
+        _SECOND[1] = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _SECOND[0] = whole
+    return f"{_SECOND[1]}.{int((ts - whole) * 1000):03d}Z"
 
 
 class EngineRecord(BaseModel):
@@ -70,7 +79,7 @@ class EngineRecord(BaseModel):
     generation: int
     launch_id: str
     tp_size: int
-    role: str
+    role: Role
     compat: dict[str, Any]
     created_at: str
 
@@ -181,7 +190,7 @@ class GroupState:
 
     def view(self) -> Engine:
         e = self.engine
-        return Engine(
+        return Engine.model_construct(
             group_id=e.group_id,
             engine_id=e.engine_id,
             generation=e.generation,
@@ -194,7 +203,7 @@ class GroupState:
             registered_ranks=sorted(r for r in self.agents if r < e.tp_size),
             missing_ranks=self.missing,
             agents=[
-                AgentSummary(
+                AgentSummary.model_construct(
                     rank=r,
                     agent_name=a.agent_name,
                     host=a.host,
@@ -501,7 +510,7 @@ class Registry:
 
     @staticmethod
     def _agent_view(record: AgentRecord, expires_at: float) -> Agent:
-        return Agent(
+        return Agent.model_construct(
             engine_id=record.engine_id,
             generation=record.generation,
             rank=record.rank,
@@ -528,7 +537,7 @@ class Registry:
         lease = await self.store.refresh_lease(agent.lease)
         if lease is None:
             raise self._absent(gid, rank)
-        return Heartbeat(expires_at=utc_iso(time.time() + lease.remaining_s))
+        return Heartbeat.model_construct(expires_at=utc_iso(time.time() + lease.remaining_s))
 
     async def deregister(self, gid: str, rank: int, engine_id: str) -> None:
         state = await self._current(gid, rank, engine_id)
@@ -587,7 +596,7 @@ class Registry:
         for r in plan.target_ranks:
             agent = state.agents[r]
             targets.append(
-                Target(
+                Target.model_construct(
                     rank=r,
                     agent_name=agent.agent_name,
                     agent_metadata=base64.b64encode(by_rank[r]).decode(),
@@ -596,7 +605,7 @@ class Registry:
                     expires_at=utc_iso(state.expires_at[r]),
                 )
             )
-        return Handshake(
+        return Handshake.model_construct(
             engine_id=engine.engine_id,
             group_id=engine.group_id,
             generation=engine.generation,

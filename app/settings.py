@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
     access_log: bool = Field(True, description="One log line per request.")
+    fast_path: bool = Field(
+        True, description="Answer the hot routes without FastAPI's per-request machinery."
+    )
 
     @field_validator("store")
     @classmethod

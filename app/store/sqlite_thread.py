@@ -1,10 +1,10 @@
 """The one thread that owns the SQLite connection, and its group commit.
 
-Calls arrive through a C-level queue (one ``put`` and one ``call_soon_threadsafe`` each; an
-executor would cost a Python-level handshake and two chained futures). The thread takes
-every commit waiting in the queue at once and writes them in one transaction, so a storm of
-registrations costs one ``BEGIN IMMEDIATE`` … ``COMMIT`` per batch instead of one per
-request.
+Commits are gathered on the event loop during one turn of the loop and handed over once
+(a hand-over wakes the thread, which then competes for the GIL: one per turn, not one per
+request), through a C-level queue. The thread takes every commit waiting in the queue and
+writes them in one transaction, so a storm of registrations costs one ``BEGIN IMMEDIATE``
+… ``COMMIT`` per batch instead of one per request.
 
 After a failed commit the thread fails every commit queued behind it (they were decided on
 top of the failed one) until the store reloads the file (a ``call`` of ``load``).
@@ -35,6 +35,7 @@ class FileThread:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._poisoned: FileFailure | None = None
+        self._gathered: list[tuple[Change, asyncio.Future[None]]] = []
         self.batches = 0
         self.commits = 0
 
@@ -51,7 +52,17 @@ class FileThread:
 
     def commit(self, change: Change) -> asyncio.Future[None]:
         """Make ``change`` durable; the future settles once it is in the file (or failed)."""
-        return self._submit("commit", change)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if not self._gathered:
+            loop.call_soon(self._hand_over)
+        self._gathered.append((change, fut))
+        return fut
+
+    def _hand_over(self) -> None:
+        gathered, self._gathered = self._gathered, []
+        if gathered:
+            self._submit("commit", gathered)
 
     async def call(self, fn: Callable[[], T], timeout_s: float) -> T:
         """Run ``fn`` on the thread, after everything queued before it."""
@@ -81,7 +92,7 @@ class FileThread:
                     outcome = (None, exc)
                 _hand(loop, fut, *outcome)
                 continue
-            batch = [job]
+            batch = list(payload)
             while len(batch) < MAX_BATCH:
                 try:
                     more = self._queue.get_nowait()
@@ -93,22 +104,24 @@ class FileThread:
                         self._queue.put(None)
                         carry = None
                     break
-                batch.append(more)
-            self._commit(batch)
+                batch.extend(more[1])
+            self._commit(batch, loop)
 
-    def _commit(self, batch: list[_Job]) -> None:
+    def _commit(
+        self, batch: list[tuple[Change, asyncio.Future[None]]], loop: asyncio.AbstractEventLoop
+    ) -> None:
         error: BaseException | None = self._poisoned
         if error is None:
             try:
-                self.file.commit([job[1] for job in batch])
+                self.file.commit([change for change, _ in batch])
                 self.batches += 1
                 self.commits += len(batch)
             except FileFailure as exc:
                 self._poisoned = error = exc
             except BaseException as exc:
                 self._poisoned = error = FileFailure(f"SQLite store failed: {exc!r}")
-        for _, _, fut, loop in batch:
-            _hand(loop, fut, None, error)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(_settle_all, [fut for _, fut in batch], error)
 
     async def stop(self, timeout_s: float) -> None:
         if self._thread is None:
@@ -128,6 +141,11 @@ def _hand(
 ) -> None:
     with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
         loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+
+def _settle_all(futs: list[asyncio.Future[None]], exc: BaseException | None) -> None:
+    for fut in futs:
+        _settle(fut, None, exc)
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 
-from app.api.deps import EngineIdPath, RegistryDep
+from app.api.deps import EngineIdPath, RegistryDep, answer
 from app.jsonbody import LimitedJsonRoute
 from app.schemas import Engine, Handshake, HandshakeRequest
 
@@ -12,8 +12,8 @@ router = APIRouter(prefix="/engines", tags=["engines"], route_class=LimitedJsonR
 
 
 @router.get("/{engine_id}", response_model=Engine, summary="Resolve an engine_id")
-async def resolve(engine_id: EngineIdPath, registry: RegistryDep) -> Engine:
-    return (await registry.resolve(engine_id)).view()
+async def resolve(engine_id: EngineIdPath, registry: RegistryDep) -> Response:
+    return answer((await registry.resolve(engine_id)).view())
 
 
 @router.post(
@@ -23,5 +23,5 @@ async def resolve(engine_id: EngineIdPath, registry: RegistryDep) -> Engine:
 )
 async def handshake(
     engine_id: EngineIdPath, body: HandshakeRequest, registry: RegistryDep
-) -> Handshake:
-    return await registry.handshake(engine_id, body)
+) -> Response:
+    return answer(await registry.handshake(engine_id, body))

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from app.api.deps import GroupIdPath, RankPath, RegistryDep, refuse_oversized_body
+from app.api.deps import GroupIdPath, RankPath, RegistryDep, answer, refuse_oversized_body
 from app.jsonbody import LimitedJsonRoute
 from app.schemas import (
     Agent,
@@ -22,8 +22,8 @@ router = APIRouter(prefix="/tp-groups", tags=["tp-groups"], route_class=LimitedJ
 
 
 @router.get("", response_model=Groups, summary="Current engine of every group")
-async def list_groups(registry: RegistryDep) -> Groups:
-    return Groups(groups=await registry.list_groups())
+async def list_groups(registry: RegistryDep) -> Response:
+    return answer(Groups.model_construct(groups=await registry.list_groups()))
 
 
 @router.put(
@@ -34,11 +34,10 @@ async def list_groups(registry: RegistryDep) -> Groups:
     responses={200: {"model": Engine, "description": "This launch's engine, opened before"}},
 )
 async def open_engine(
-    group_id: GroupIdPath, body: OpenEngineRequest, registry: RegistryDep, response: Response
-) -> Engine:
+    group_id: GroupIdPath, body: OpenEngineRequest, registry: RegistryDep
+) -> Response:
     engine, created = await registry.open_engine(group_id, body)
-    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return engine
+    return answer(engine, status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
 
 @router.get("/{group_id}/engine", response_model=Engine, summary="The group's current engine")
@@ -49,8 +48,8 @@ async def get_engine(
         float | None,
         Query(ge=0, le=60, description="Hold the answer until ready or this many seconds pass."),
     ] = None,
-) -> Engine:
-    return await registry.get_engine(group_id, wait_ready)
+) -> Response:
+    return answer(await registry.get_engine(group_id, wait_ready))
 
 
 @router.delete(
@@ -75,12 +74,10 @@ async def register_agent(
     body: RegisterAgentRequest,
     registry: RegistryDep,
     request: Request,
-    response: Response,
-) -> Agent:
+) -> Response:
     client = request.client.host if request.client else None
     agent, created = await registry.register_agent(group_id, rank, body, client)
-    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return agent
+    return answer(agent, status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
 
 @router.post(
@@ -90,8 +87,8 @@ async def register_agent(
 )
 async def heartbeat(
     group_id: GroupIdPath, rank: RankPath, body: EngineIdBody, registry: RegistryDep
-) -> Heartbeat:
-    return await registry.heartbeat(group_id, rank, body.engine_id)
+) -> Response:
+    return answer(await registry.heartbeat(group_id, rank, body.engine_id))
 
 
 @router.delete(

@@ -1,0 +1,200 @@
+"""The hot routes answered without FastAPI's per-request machinery, same contract.
+
+Per request FastAPI routes by scanning every route's regex, solves the dependency graph and
+validates each parameter through its generic machinery; that costs several times what the
+registry itself does for a heartbeat or a lookup (``bench/README.md`` has the breakdown).
+Workers send these few requests thousands of times a second at fleet scale:
+
+    GET  /tp-groups/{group_id}/engine                      (no query)
+    PUT  /tp-groups/{group_id}/engine/agents/{rank}
+    POST /tp-groups/{group_id}/engine/agents/{rank}/heartbeat
+    POST /engines/{engine_id}/handshake
+
+This layer, inside the auth, size and observability middleware and in front of FastAPI's
+router, answers them when the request is valid: the path parameters match the same patterns,
+the body parses with the same limits (``app.jsonbody``) and validates against the same
+pydantic request models. Anything else (a query string, a body that does not validate, any
+other route) goes on to FastAPI untouched, which answers it as before: error answers, their
+order, and ``/openapi.json`` (generated from the FastAPI routes, which still declare these
+four) are FastAPI's. Answers are serialized by the same models; registry errors become the
+same problem+json. ``REGISTRY_FAST_PATH=false`` turns the layer off.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import RegistryError
+from app.jsonbody import parse
+from app.middleware import TOO_LARGE
+from app.problems import send_problem
+from app.registry import Registry
+from app.schemas import (
+    GROUP_ID_PATTERN,
+    MAX_TP_SIZE,
+    EngineIdBody,
+    HandshakeRequest,
+    RegisterAgentRequest,
+)
+
+_GROUP = re.compile(GROUP_ID_PATTERN)
+_JSON = [(b"content-type", b"application/json")]
+
+Handler = Callable[[Scope, list[str], bytes | None], Awaitable[tuple[int, BaseModel] | None]]
+
+
+class _Fallback(Exception):
+    """Not for the fast path: FastAPI answers it."""
+
+
+def _rank(text: str) -> int:
+    if not text.isdigit() or len(text) > 6 or int(text) >= MAX_TP_SIZE:
+        raise _Fallback
+    return int(text)
+
+
+def _group(text: str) -> str:
+    if _GROUP.match(text) is None:
+        raise _Fallback
+    return text
+
+
+def _body(model: type[Any], raw: bytes | None) -> Any:
+    if not raw:
+        raise _Fallback
+    try:
+        return model.model_validate(parse(raw))
+    except (ValueError, ValidationError, RecursionError):
+        raise _Fallback from None
+
+
+class FastPath:
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute]) -> None:
+        self.app = app
+        by_path = {getattr(r, "path", ""): r for r in routes}
+        self.get_engine = (self._get_engine, by_path["/tp-groups/{group_id}/engine"])
+        self.register = (self._register, by_path["/tp-groups/{group_id}/engine/agents/{rank}"])
+        self.heartbeat = (
+            self._heartbeat,
+            by_path["/tp-groups/{group_id}/engine/agents/{rank}/heartbeat"],
+        )
+        self.handshake = (self._handshake, by_path["/engines/{engine_id}/handshake"])
+
+    def _match(self, method: str, parts: list[str]) -> tuple[Handler, BaseRoute] | None:
+        n = len(parts)
+        if n >= 3 and parts[0] == "tp-groups" and parts[2] == "engine":
+            if n == 3:
+                return self.get_engine if method == "GET" else None
+            if parts[3] != "agents":
+                return None
+            if n == 5:
+                return self.register if method == "PUT" else None
+            if n == 6 and parts[5] == "heartbeat":
+                return self.heartbeat if method == "POST" else None
+        elif n == 3 and parts[0] == "engines" and parts[2] == "handshake" and method == "POST":
+            return self.handshake
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["query_string"]:
+            await self.app(scope, receive, send)
+            return
+        parts = scope["path"].strip("/").split("/")
+        entry = self._match(scope["method"], parts)
+        if entry is None:
+            await self.app(scope, receive, send)
+            return
+        handler, route = entry
+        raw: bytes | None = None
+        if scope["method"] != "GET":
+            if scope.get("state", {}).get(TOO_LARGE):
+                await self.app(scope, receive, send)
+                return
+            raw = await _read(receive)
+        try:
+            answer = await handler(scope, parts, raw)
+        except _Fallback:
+            answer = None
+        except RegistryError as exc:
+            scope["route"] = route
+            await send_problem(send, exc, scope)
+            return
+        if answer is None:
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        scope["route"] = route
+        status, model = answer
+        body = model.__pydantic_serializer__.to_json(model)
+        headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    @staticmethod
+    def _registry(scope: Scope) -> Registry:
+        registry: Registry = scope["app"].state.registry
+        return registry
+
+    async def _get_engine(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        return 200, await self._registry(scope).get_engine(_group(parts[1]))
+
+    async def _register(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        gid, rank = _group(parts[1]), _rank(parts[4])
+        body = _body(RegisterAgentRequest, raw)
+        client = scope.get("client")
+        agent, created = await self._registry(scope).register_agent(
+            gid, rank, body, client[0] if client else None
+        )
+        return (201 if created else 200), agent
+
+    async def _heartbeat(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        gid, rank = _group(parts[1]), _rank(parts[4])
+        body = _body(EngineIdBody, raw)
+        return 200, await self._registry(scope).heartbeat(gid, rank, body.engine_id)
+
+    async def _handshake(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        engine_id = parts[1]
+        if not 1 <= len(engine_id) <= 128:
+            raise _Fallback
+        body = _body(HandshakeRequest, raw)
+        return 200, await self._registry(scope).handshake(engine_id, body)
+
+
+async def _read(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(raw: bytes | None, receive: Receive) -> Receive:
+    if raw is None:
+        return receive
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
