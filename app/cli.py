@@ -141,7 +141,8 @@ def _probe_token(args: argparse.Namespace) -> str | None:
         if not lines:
             raise ValueError(f"--token-file {args.token_file} is empty")
         return lines[0]
-    return os.environ.get("REGISTRY_TOKEN") or os.environ.get("ENGINE_REGISTRY_TOKEN") or None
+    token = os.environ.get("REGISTRY_TOKEN") or os.environ.get("ENGINE_REGISTRY_TOKEN") or ""
+    return token.strip() or None
 
 
 def probe_verdict(engine: dict[str, Any], launch_id: str | None) -> tuple[bool, str]:

@@ -61,7 +61,7 @@ def write_tokens(directory: Path, tokens: Mapping[str, str]) -> None:
     """What the operator writes: role:token lines, and the worker token alone."""
     secrets = directory / "base" / "secrets"
     (secrets / "tokens").write_text("".join(f"{role}:{tok}\n" for role, tok in tokens.items()))
-    (secrets / "worker-token").write_text(tokens["worker"] + "\n")
+    (secrets / "worker-token.env").write_text(f"token={tokens['worker']}\n")
 
 
 def render(overlay: str, tmp: Path, tokens: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -69,7 +69,7 @@ def render(overlay: str, tmp: Path, tokens: Mapping[str, str]) -> list[dict[str,
     assert KUBECTL is not None
     tree = tmp / f"k8s-{overlay}"
     if not tree.exists():
-        shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("tokens", "worker-token"))
+        shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("tokens", "worker-token.env"))
         write_tokens(tree, tokens)
     run = subprocess.run(
         [KUBECTL, "kustomize", str(tree / "overlays" / overlay)],

@@ -67,11 +67,15 @@ def validate_lws(obj: dict[str, Any], schema: dict[str, Any]) -> None:
     for which in ("leaderTemplate", "workerTemplate"):
         if which in template:
             kubernetes_validate.validate(
-                {"apiVersion": "v1", "kind": "PodTemplate",
-                 "metadata": {"name": f"{obj['metadata']['name']}-{which}"},
-                 "template": template[which]},
-                k8s.KUBERNETES_VERSION, strict=True,
-            )  # fmt: skip
+                {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{obj['metadata']['name']}-{which}"},
+                    "template": template[which],
+                },
+                k8s.KUBERNETES_VERSION,
+                strict=True,
+            )
 
 
 def validate(obj: dict[str, Any], lws_schema: dict[str, Any]) -> None:
@@ -92,8 +96,11 @@ def containers(
             specs.append((where, obj["spec"]["template"]["spec"]))
         elif obj["kind"] == "LeaderWorkerSet":
             template = obj["spec"]["leaderWorkerTemplate"]
-            specs += [(f"{where} {t}", template[t]["spec"]) for t in
-                      ("leaderTemplate", "workerTemplate") if t in template]  # fmt: skip
+            specs += [
+                (f"{where} {t}", template[t]["spec"])
+                for t in ("leaderTemplate", "workerTemplate")
+                if t in template
+            ]
         for label, pod in specs:
             for container in [*pod.get("initContainers", []), *pod["containers"]]:
                 yield f"{label} {container['name']}", pod, container
@@ -199,7 +206,10 @@ def test_secret_references_resolve_and_tokens_agree(
             ref = item.get("valueFrom", {}).get("secretKeyRef")
             if ref:
                 refs += 1
-                assert k8s.secret_value(objects, ref["name"], ref["key"]), where
+                value = k8s.secret_value(objects, ref["name"], ref["key"])
+                assert value, f"{where}: {item['name']} from an empty Secret key"
+                # A newline in a token variable makes an illegal Authorization header.
+                assert value == value.strip(), f"{where}: {item['name']} has surrounding space"
         for volume in pod.get("volumes", []):
             if "secret" in volume:
                 refs += 1
@@ -259,8 +269,11 @@ def test_registry_is_probed_exposed_and_reads_tokens_from_the_secret(
         argv = " ".join(etcd["spec"]["template"]["spec"]["containers"][0]["command"])
         cluster = ",".join(f"{m}=http://{m}.etcd:2380" for m in members)
         assert f"--initial-cluster={cluster}" in argv
-        assert not [o for o in objects if o["kind"] == "StatefulSet" and
-                    o["metadata"]["name"] == "engine-registry"]  # fmt: skip
+        assert not [
+            o
+            for o in objects
+            if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "engine-registry"
+        ]
 
 
 @pytest.mark.parametrize("overlay", k8s.OVERLAYS)
@@ -281,8 +294,11 @@ def test_vllm_pods_carry_the_plugin_and_a_coherent_lws_topology(
         size = obj["spec"]["leaderWorkerTemplate"]["size"]
         env = {e["name"]: e for e in c["env"]}
         value = {n: e.get("value") for n, e in env.items()}
-        field = {n: e["valueFrom"]["fieldRef"]["fieldPath"] for n, e in env.items()
-                 if "fieldRef" in e.get("valueFrom", {})}  # fmt: skip
+        field = {
+            n: e["valueFrom"]["fieldRef"]["fieldPath"]
+            for n, e in env.items()
+            if "fieldRef" in e.get("valueFrom", {})
+        }
         for name in (ENV_URL, ENV_GROUP, ENV_TOKEN, ENV_ROLE):
             assert name in env, f"{where}: the plugin needs {name}"
         assert value[ENV_URL] == f"http://engine-registry:{http_port}", where
@@ -321,8 +337,11 @@ def test_vllm_pods_carry_the_plugin_and_a_coherent_lws_topology(
         gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
         assert tp == gpus * size, f"{where}: TP {tp} != {gpus} GPU(s) x {size} pods"
         if size > 1:
-            for flag, var in (("--nnodes", "LWS_GROUP_SIZE"), ("--node-rank", "LWS_WORKER_INDEX"),
-                              ("--master-addr", "LWS_LEADER_ADDRESS")):  # fmt: skip
+            for flag, var in (
+                ("--nnodes", "LWS_GROUP_SIZE"),
+                ("--node-rank", "LWS_WORKER_INDEX"),
+                ("--master-addr", "LWS_LEADER_ADDRESS"),
+            ):
                 assert f"{flag}=$({var})" in argv, f"{where}: {flag} must come from {var}"
     assert roles == {"prefill": "prefill", "decode": "decode"}
     prefill = k8s.find(objects, "LeaderWorkerSet", "prefill")["spec"]["leaderWorkerTemplate"]

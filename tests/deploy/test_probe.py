@@ -67,13 +67,21 @@ def register(url: str, group: str, engine_id: str, rank: int) -> None:
     answer = httpx.put(
         f"{url}/tp-groups/{group}/engine/agents/{rank}",
         json={
-            "engine_id": engine_id, "agent_name": f"a{rank}", "agent_metadata": "aGVsbG8=",
-            "host": "127.0.0.1", "kv": {"mem_type": "DRAM", "device_id": 0,
-                                        "base_addrs": [4096], "num_blocks": 1, "block_len": 64},
+            "engine_id": engine_id,
+            "agent_name": f"a{rank}",
+            "agent_metadata": "aGVsbG8=",
+            "host": "127.0.0.1",
+            "kv": {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [4096],
+                "num_blocks": 1,
+                "block_len": 64,
+            },
         },
         headers={"Authorization": f"Bearer {WORKER}"},
         timeout=10,
-    )  # fmt: skip
+    )
     assert answer.status_code in (200, 201), answer.text
 
 
@@ -132,8 +140,9 @@ def test_probe_exit_3_names_each_registry_and_the_cause(registry: RegistryProces
     assert "answered 401" in wrong_token.stderr
     dead = f"http://127.0.0.1:{free_port()}"
     # A dead replica first: the probe moves on to the live one within its deadline.
-    failover = probe("--url", f"{dead},{registry.url}", "--group", "g",
-                     env={"REGISTRY_TOKEN": READER})  # fmt: skip
+    failover = probe(
+        "--url", f"{dead},{registry.url}", "--group", "g", env={"REGISTRY_TOKEN": READER}
+    )
     assert failover.returncode == 1, failover
     assert "no engine" in failover.stdout
 
