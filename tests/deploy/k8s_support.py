@@ -13,6 +13,7 @@ it when CI asks for every tier (`require_tools`).
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -51,9 +52,31 @@ def require_tools(missing: Sequence[str]) -> None:
     pytest.skip(message)
 
 
+MIN_KUBECTL_MINOR = 27  # kustomize v5 (the `labels` field) is built in from kubectl 1.27
+
+
 def kubectl_missing() -> list[str]:
+    """Why deploy/k8s cannot be rendered here (empty when it can)."""
     if KUBECTL is None:
-        return ["needs kubectl with its built-in kustomize (v1.27+) on PATH to render deploy/k8s"]
+        return [
+            f"needs kubectl 1.{MIN_KUBECTL_MINOR}+ (built-in kustomize) on PATH to render "
+            "deploy/k8s; Debian's kubernetes-client (1.20) is too old"
+        ]
+    run = subprocess.run(
+        [KUBECTL, "version", "--client", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    try:
+        minor = int(re.sub(r"\D.*", "", json.loads(run.stdout)["clientVersion"]["minor"]))
+    except (ValueError, KeyError) as exc:
+        return [f"cannot read `kubectl version --client` ({exc}): {run.stderr.strip()}"]
+    if minor < MIN_KUBECTL_MINOR:
+        return [
+            f"kubectl 1.{minor} is too old: deploy/k8s needs 1.{MIN_KUBECTL_MINOR}+ (kustomize v5)"
+        ]
     return []
 
 

@@ -356,3 +356,14 @@ def test_the_vendored_lws_crd_is_the_release_it_names() -> None:
     assert "kubernetes-sigs/lws" in source
     digest = hashlib.sha256(k8s.LWS_CRD.read_bytes()).hexdigest()
     assert f"sha256:   {digest}" in source, "the CRD file changed: vendor it again, update SOURCE"
+
+
+def test_missing_tools_fail_under_ci_and_skip_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI needs every tier: needs kubectl"):
+        k8s.require_tools(["needs kubectl"])
+    monkeypatch.delenv("CI")
+    monkeypatch.delenv("ENGINE_REGISTRY_REQUIRE_ALL", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs kubectl"):
+        k8s.require_tools(["needs kubectl"])
+    k8s.require_tools([])  # nothing missing: runs
