@@ -218,7 +218,7 @@ def run_topology(cluster: Cluster, hosts: dict[str, netns.Host], tokens: dict[st
     leader, leader_c, leader_env = cluster.start_pod("prefill", leader_pod, hosts["leader"])
     assert leader_env["ENGINE_REGISTRY_GROUP"] == "prefill-0"
     assert leader_env["ENGINE_REGISTRY_LAUNCH_ID"] == gen1[0]
-    time.sleep(3)
+    cluster.wait_for("the leader's torchrun", lambda: "vllm stand-in:" in leader.log(), 30)
     code, said = cluster.probe(hosts["leader"], leader_c, leader_env)
     assert code == 1, said  # rank 0 waits in the rendezvous for node 1: nothing opened
     assert "no engine" in said, said
@@ -288,9 +288,10 @@ def run_topology(cluster: Cluster, hosts: dict[str, netns.Host], tokens: dict[st
     # pods (new UIDs) with the same LWS_* ------------------------------------------------------
     for proc in (leader, worker):
         proc.signal(signal.SIGTERM)
-    for proc in (leader, worker):
-        proc.wait(40)  # terminationGracePeriodSeconds is 60
-        cluster.killed.append(proc)
+    cluster.killed += [leader, worker]
+    cluster.wait_for(  # within terminationGracePeriodSeconds (60)
+        "the deleted pods to stop", lambda: None not in (leader.poll(), worker.poll()), 40
+    )
     gone = engine("prefill-0")["json"]
     assert gone["registered_ranks"] == [], gone  # a deleted pod's ranks deregister
     gen2 = (str(uuid.uuid4()), str(uuid.uuid4()))
