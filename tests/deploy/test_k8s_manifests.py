@@ -367,3 +367,21 @@ def test_missing_tools_fail_under_ci_and_skip_elsewhere(monkeypatch: pytest.Monk
     with pytest.raises(pytest.skip.Exception, match="needs kubectl"):
         k8s.require_tools(["needs kubectl"])
     k8s.require_tools([])  # nothing missing: runs
+
+
+def test_the_vllm_image_target_runs_a_vllm_the_plugin_supports_as_non_root() -> None:
+    from tests.e2e.compose_support import dockerfile_instructions
+    from workers.vllm_plugin import SUPPORTED_VLLM_VERSIONS
+
+    instructions = dockerfile_instructions()
+    stages = {i.stage: i.args.split()[-1] for i in instructions if i.keyword == "FROM"}
+    assert stages[max(stages)] != "vllm", "the default target must stay the compose image"
+    (vllm,) = [n for n, name in stages.items() if name == "vllm"]
+    (build,) = [n for n, name in stages.items() if name == "vllm-build"]
+    args = dict(
+        i.args.split("=", 1) for i in instructions if i.stage == build and i.keyword == "ARG"
+    )
+    assert args["VLLM_VERSION"] in SUPPORTED_VLLM_VERSIONS, args
+    users = [i.args for i in instructions if i.stage == vllm and i.keyword == "USER"]
+    assert users, "the vllm target must not run as root"
+    assert users[-1].split(":")[0] not in ("root", "0")
