@@ -132,7 +132,9 @@ class Cluster:
         run = host.run(container.probe_argv("readinessProbe"), env=env, timeout_s=20)
         return run.returncode, (run.stdout + run.stderr).strip()
 
-    def wait_for(self, what: str, condition: Callable[[], bool], timeout_s: float) -> None:
+    def wait_for(
+        self, what: str, condition: Callable[[], bool], timeout_s: float, every_s: float = 0.5
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while not condition():
             if time.monotonic() > deadline:
@@ -140,7 +142,7 @@ class Cluster:
             dead = [p for p in self.procs if p.poll() not in (None, 0) and p not in self.killed]
             if dead:
                 raise AssertionError(f"{dead[0].name} exited\n{self.logs()}")
-            time.sleep(0.5)
+            time.sleep(every_s)
 
     def kill(self, *procs: netns.Proc) -> None:
         """SIGKILL the pod's processes (its PID namespace), as a node losing it would."""
@@ -230,7 +232,7 @@ def run_topology(cluster: Cluster, hosts: dict[str, netns.Host], tokens: dict[st
         seen.append(said)
         return code == 0
 
-    cluster.wait_for("the prefill leader's readiness probe", leader_ready, 90)
+    cluster.wait_for("the prefill leader's readiness probe", leader_ready, 90, every_s=2)
     first = engine("prefill-0")["json"]
     assert first["ready"], first
     assert first["registered_ranks"] == [0, 1], first  # ready only with every rank
@@ -257,7 +259,7 @@ def run_topology(cluster: Cluster, hosts: dict[str, netns.Host], tokens: dict[st
         agents = engine("prefill-0")["json"].get("agents", [])
         return len(agents) == 2 and all(a["expires_at"] > leased for a in agents)
 
-    cluster.wait_for("the restarted ranks to register again", re_registered, 90)
+    cluster.wait_for("the restarted ranks to register again", re_registered, 90, every_s=1)
     again = engine("prefill-0")["json"]
     assert (again["engine_id"], again["generation"]) == (first["engine_id"], 1), again
     assert cluster.probe(hosts["leader"], leader_c, leader_env)[0] == 0
@@ -280,7 +282,9 @@ def run_topology(cluster: Cluster, hosts: dict[str, netns.Host], tokens: dict[st
         rounds = json.loads(decode_report.read_text()).get("rounds", [])
         return any(r["engine_id"] == engine_id for r in rounds)
 
-    cluster.wait_for("the decode to verify a round", lambda: decode_read(first["engine_id"]), 60)
+    cluster.wait_for(
+        "the decode to verify a round", lambda: decode_read(first["engine_id"]), 60, every_s=1
+    )
     assert cluster.probe(hosts["decode"], decode_c, decode_env)[0] == 0
     assert engine("decode-0")["json"]["launch_id"] == decode_pod.uid
 
@@ -301,7 +305,7 @@ def run_topology(cluster: Cluster, hosts: dict[str, netns.Host], tokens: dict[st
     assert code == 1, said  # the group's current engine is the old launch's
     assert f"belongs to launch {gen1[0]}" in said, said
     worker, worker_c, worker_env = cluster.start_pod("prefill", worker_pod, hosts["worker"])
-    cluster.wait_for("the recreated group's readiness", leader_ready, 90)
+    cluster.wait_for("the recreated group's readiness", leader_ready, 90, every_s=2)
     second = engine("prefill-0")["json"]
     assert second["generation"] == 2, second
     assert second["launch_id"] == gen2[0]
