@@ -130,6 +130,89 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- probe: is this group's engine ready? (a Kubernetes readiness/startup probe) ------------
+
+PROBE_READY, PROBE_NOT_READY, PROBE_USAGE, PROBE_UNREACHABLE = 0, 1, 2, 3
+
+
+def _probe_token(args: argparse.Namespace) -> str | None:
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                lines = f.read().split()
+        except OSError as exc:
+            raise ValueError(f"cannot read --token-file {args.token_file}: {exc}") from None
+        if not lines:
+            raise ValueError(f"--token-file {args.token_file} is empty")
+        return lines[0]
+    token = os.environ.get("REGISTRY_TOKEN") or os.environ.get("ENGINE_REGISTRY_TOKEN") or ""
+    return token.strip() or None
+
+
+def probe_verdict(engine: dict[str, Any], launch_id: str | None) -> tuple[bool, str]:
+    """(ready, why) for one GET /tp-groups/{group}/engine answer."""
+    where = f"group {engine['group_id']} generation {engine['generation']}"
+    if launch_id and engine.get("launch_id") != launch_id:
+        return False, (
+            f"not ready: {where} belongs to launch {engine.get('launch_id')}, not this one "
+            f"({launch_id}); its rank 0 has not opened this launch's engine yet"
+        )
+    ranks = f"{len(engine['registered_ranks'])}/{engine['tp_size']} ranks registered"
+    if engine["ready"]:
+        return True, f"ready: {where}, engine {engine['engine_id']}, {ranks}"
+    missing = ",".join(str(r) for r in engine["missing_ranks"])
+    return False, f"not ready: {where}, {ranks}, missing ranks {missing}"
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """Exit 0 when the group's current engine (of --launch-id, if given) has every rank."""
+    if not args.group:
+        print(
+            "engine-registry probe: --group (or ENGINE_REGISTRY_GROUP) is required", file=sys.stderr
+        )
+        return PROBE_USAGE
+    try:
+        token = _probe_token(args)
+    except ValueError as exc:
+        print(f"engine-registry probe: {exc}", file=sys.stderr)
+        return PROBE_USAGE
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + args.timeout
+    urls = [u.strip().rstrip("/") for u in args.url.split(",") if u.strip()]
+    failures: list[str] = []
+    for url in urls:  # replicas in turn, all within the one deadline
+        left = deadline - time.monotonic()
+        if left <= 0:
+            failures.append(f"{url}: no time left of --timeout {args.timeout:g}s")
+            continue
+        try:
+            answer = httpx.get(
+                f"{url}/tp-groups/{args.group}/engine", headers=headers, timeout=left
+            )
+        except httpx.HTTPError as exc:
+            failures.append(f"{url}: {type(exc).__name__}: {exc}")
+            continue
+        if answer.status_code == 404:
+            print(
+                f"not ready: group {args.group} has no engine at {url} yet "
+                "(its rank 0 has not opened one)"
+            )
+            return PROBE_NOT_READY
+        if answer.status_code != 200:
+            failures.append(f"{url} answered {answer.status_code}: {answer.text[:300]}")
+            continue
+        ready, why = probe_verdict(answer.json(), args.launch_id)
+        print(why)
+        return PROBE_READY if ready else PROBE_NOT_READY
+    print(
+        f"engine-registry probe: cannot ask any registry about group {args.group}: "
+        + "; ".join(failures)
+        + " (check --url, the token's role, and that the registry serves)",
+        file=sys.stderr,
+    )
+    return PROBE_UNREACHABLE
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="engine-registry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +226,38 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--token", help="bearer token (or REGISTRY_TOKEN)")
     status.add_argument("--timeout", type=float, default=10.0)
     status.set_defaults(func=_status)
+
+    probe = sub.add_parser(
+        "probe",
+        help="exit 0 when a group's engine has every rank registered (readiness probe)",
+        description="Exit codes: 0 ready; 1 not ready (no engine yet, another launch's "
+        "engine, or ranks missing: printed); 2 usage (no group, unreadable token file); "
+        "3 no registry answered within --timeout.",
+    )
+    probe.add_argument(
+        "--url",
+        default=os.environ.get("REGISTRY_URL")
+        or os.environ.get("ENGINE_REGISTRY_URL")
+        or DEFAULT_URL,
+        help="registry URL(s), comma-separated replicas (REGISTRY_URL, ENGINE_REGISTRY_URL)",
+    )
+    probe.add_argument(
+        "--group",
+        default=os.environ.get("ENGINE_REGISTRY_GROUP"),
+        help="the TP group id (ENGINE_REGISTRY_GROUP)",
+    )
+    probe.add_argument(
+        "--launch-id",
+        default=os.environ.get("ENGINE_REGISTRY_LAUNCH_ID") or None,
+        help="ready only if the current engine is this launch's (ENGINE_REGISTRY_LAUNCH_ID)",
+    )
+    probe.add_argument(
+        "--token-file",
+        help="file whose first line is the bearer token; "
+        "else REGISTRY_TOKEN or ENGINE_REGISTRY_TOKEN",
+    )
+    probe.add_argument("--timeout", type=float, default=5.0, help="deadline for the whole probe")
+    probe.set_defaults(func=_probe)
 
     demo = sub.add_parser(
         "demo",
