@@ -117,9 +117,12 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     # the router; the body limit; auth before any parsing; ids and metrics around everything.
     if settings.fast_path:
         app.add_middleware(FastPath, routes=[*tp_groups.router.routes, *engines.router.routes])
-    app.add_middleware(
-        BodyLimitMiddleware, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s
-    )
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, tokens=settings.auth_tokens())
-    app.add_middleware(ObserveMiddleware, metrics=metrics, access_log=settings.access_log)
+    app.add_middleware(
+        ObserveMiddleware,
+        metrics=metrics,
+        access_log=settings.access_log,
+        access_log_rate=settings.access_log_rate,
+    )
     return app

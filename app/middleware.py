@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
 import time
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import RequestTimeout
 from app.metrics import Metrics
-from app.problems import send_problem
 
 log = logging.getLogger("app.access")
 
@@ -28,14 +26,50 @@ def new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
+class AccessLogBudget:
+    """At most ``rate`` lines a second for answered requests; errors are always logged.
+
+    One JSON line costs about as much CPU as the registry's own work for a lookup; at fleet
+    scale (thousands of heartbeats a second) the log would cost more than the service. Past
+    the budget, lines are counted, and the next line logged says how many were left out.
+    ``rate`` 0 logs every request."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.second = 0
+        self.used = 0
+        self.skipped = 0
+
+    def take(self, now: float, status: int) -> int | None:
+        """None: do not log; else how many lines were skipped before this one."""
+        if self.rate <= 0:
+            return 0
+        second = int(now)
+        if second != self.second:
+            self.second, self.used = second, 0
+        if self.used >= self.rate and status < 400:
+            self.skipped += 1
+            return None
+        self.used += 1
+        skipped, self.skipped = self.skipped, 0
+        return skipped
+
+
 class ObserveMiddleware:
     """Gives each request an id (``X-Request-ID``, kept when the client sends a sane one),
-    logs one line per request and counts it by route template."""
+    logs one line per request (within a budget, see :class:`AccessLogBudget`) and counts it
+    by route template."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, access_log: bool = True) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: Metrics, access_log: bool = True, access_log_rate: int = 0
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.access_log = access_log
+        self.budget = AccessLogBudget(access_log_rate)
+        # prometheus_client's labels() takes a lock and builds a key: once per label set.
+        self._counters: dict[tuple[str, str, int], Any] = {}
+        self._timers: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,13 +98,24 @@ class ObserveMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", "unmatched")
             method = scope["method"]
-            self.metrics.requests.labels(template, method, str(status)).inc()
-            self.metrics.latency.labels(template, method).observe(elapsed)
-            if self.access_log:
+            counter = self._counters.get((template, method, status))
+            if counter is None:
+                counter = self.metrics.requests.labels(template, method, str(status))
+                self._counters[(template, method, status)] = counter
+            counter.inc()
+            timer = self._timers.get((template, method))
+            if timer is None:
+                timer = self._timers[(template, method)] = self.metrics.latency.labels(
+                    template, method
+                )
+            timer.observe(elapsed)
+            skipped = self.budget.take(time.time(), status) if self.access_log else None
+            if skipped is not None:
                 client = scope.get("client")
                 log.info(
                     "request",
                     extra={
+                        "not_logged_before": skipped,
                         "request_id": request_id,
                         "method": method,
                         "path": scope["path"],
@@ -87,10 +132,9 @@ class BodyLimitMiddleware:
     and marks the request, so that path and query errors still answer 422 first and the
     validation handler answers 413 instead of "body missing" (the contract's order)."""
 
-    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
-        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in {"GET", "HEAD"}:
@@ -103,27 +147,19 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         size = 0
         if not too_large:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            return
-                        chunk = message.get("body", b"")
-                        size += len(chunk)
-                        if size > self.limit:
-                            too_large = True
-                            break
-                        chunks.append(chunk)
-                        if not message.get("more_body", False):
-                            break
-            except TimeoutError:
-                slow = RequestTimeout(
-                    f"The request body did not arrive within {self.timeout_s:g} s "
-                    f"({size} bytes came; REGISTRY_BODY_TIMEOUT_S)."
-                )
-                await send_problem(send, slow, scope, extra_headers=[(b"connection", b"close")])
-                return
+            # A body that never completes is cut by the server's body timer (app/server.py).
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.limit:
+                    too_large = True
+                    break
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
         body = b"" if too_large else b"".join(chunks)
         if too_large:
             scope.setdefault("state", {})[TOO_LARGE] = True

@@ -617,6 +617,9 @@ class Registry:
     async def _blobs(self, gid: str, ranks: list[int]) -> dict[int, bytes]:
         """The metadata blobs of ``ranks``: a get each for a few, one range read for many
         (linear in the number of targets either way)."""
+        if len(ranks) == 1:
+            blob = await self.store.get(_blob_key(gid, ranks[0]))
+            return {} if blob is None else {ranks[0]: blob.value}
         if len(ranks) <= 8:
             found = await asyncio.gather(*(self.store.get(_blob_key(gid, r)) for r in ranks))
             return {r: b.value for r, b in zip(ranks, found, strict=True) if b is not None}

@@ -16,7 +16,7 @@ interval, so a worker's connection is reused rather than raced by the server's c
 ``max_connections`` bounds open connections: past it the connection idle the longest is
 closed to make room (``503`` when every one is busy); it is kept below the process's
 descriptor limit, whose soft value is raised to the hard one at start. A request body must
-arrive within ``body_timeout_s`` (``408``; see ``app.middleware``).
+arrive within ``body_timeout_s`` of its headers (``408``, and the connection closes).
 
 On SIGTERM the registry drains first: every held ``wait_ready`` answers at once with the
 group's current state, then uvicorn closes connections and the store.
@@ -62,10 +62,11 @@ def _problem_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
 
 
 def guarded_protocol(
-    header_timeout_s: float, max_header_bytes: int, max_connections: int
+    header_timeout_s: float, max_header_bytes: int, max_connections: int, body_timeout_s: float
 ) -> type[HttpToolsProtocol]:
     class GuardedProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _body_timer: asyncio.TimerHandle | None = None
         _opened = 0.0
         _header_bytes = 0  # bytes of unfinished heads received
         _head_bytes = 0  # the current head's URL and header fields
@@ -170,6 +171,23 @@ def guarded_protocol(
                 self._too_large()
                 return
             super().on_headers_complete()
+            # Until the message completes, its body is on the clock (cancelled at once for
+            # a request without a body: its message completes in this same feed).
+            self._body_timer = self.loop.call_later(body_timeout_s, self._body_too_slow)
+
+        def _body_too_slow(self) -> None:
+            self._body_timer = None
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                self._refuse(
+                    408,
+                    "Request Timeout",
+                    "request_timeout",
+                    f"The request body did not arrive within {body_timeout_s:g} s "
+                    "(REGISTRY_BODY_TIMEOUT_S).",
+                )
+            elif not self.transport.is_closing():
+                self.transport.close()
 
         # After a refusal mid-chunk the parser goes on: there is no request cycle to feed.
         def on_body(self, body: bytes) -> None:
@@ -177,11 +195,16 @@ def guarded_protocol(
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
             if not self.transport.is_closing():
                 super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._body_timer is not None:
+                self._body_timer.cancel()
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
@@ -232,7 +255,10 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         )
     return {
         "http": guarded_protocol(
-            settings.header_timeout_s, settings.max_header_bytes, max_connections
+            settings.header_timeout_s,
+            settings.max_header_bytes,
+            max_connections,
+            settings.body_timeout_s,
         ),
         "loop": "uvloop",
         "log_config": None,

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", pattern="^(debug|info|warning|error)$")
     access_log: bool = Field(True, description="One log line per request.")
+    access_log_rate: int = Field(
+        100,
+        ge=0,
+        description="Most access lines a second for answered requests (errors always; 0: all).",
+    )
     fast_path: bool = Field(
         True, description="Answer the hot routes without FastAPI's per-request machinery."
     )

@@ -14,6 +14,8 @@ import base64
 import cProfile
 import io
 import json
+import logging
+import os
 import pstats
 import sys
 import tempfile
@@ -137,10 +139,16 @@ async def _engine_id(app: Any) -> str:
 
 
 async def main(profile: str | None) -> dict[str, float]:
+    from app import logs
     from app.main import create_app
     from app.settings import Settings
     from bench.minimal import fastapi_app
 
+    # Logging as the service configures it (one JSON line per request), written nowhere.
+    logs.configure("info")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(open(os.devnull, "w"))  # noqa: SIM115, ASYNC230
     out: dict[str, float] = {}
     floor = fastapi_app()
     out["fastapi_get_us"] = await cost(caller(floor, "GET", "/ping"))

@@ -85,6 +85,7 @@ class FastPath:
             by_path["/tp-groups/{group_id}/engine/agents/{rank}/heartbeat"],
         )
         self.handshake = (self._handshake, by_path["/engines/{engine_id}/handshake"])
+        self._reg: Registry | None = None  # the app's, set by its lifespan before any request
 
     def _match(self, method: str, parts: list[str]) -> tuple[Handler, BaseRoute] | None:
         n = len(parts)
@@ -135,10 +136,10 @@ class FastPath:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    @staticmethod
-    def _registry(scope: Scope) -> Registry:
-        registry: Registry = scope["app"].state.registry
-        return registry
+    def _registry(self, scope: Scope) -> Registry:
+        if self._reg is None:
+            self._reg = scope["app"].state.registry
+        return self._reg
 
     async def _get_engine(
         self, scope: Scope, parts: list[str], raw: bytes | None

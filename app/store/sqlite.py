@@ -79,6 +79,8 @@ class SqliteStore(Store):
         self._pending: dict[str, tuple[int, asyncio.Future[None]]] = {}
         self._inflight = 0
         self._seq = 0
+        # Leases renewed since their expiry was last written (see refresh_lease).
+        self._dirty: set[int] = set()
         self._loaded = False
         self._failure: FileFailure | None = None
         self._recovering: asyncio.Lock | None = None
@@ -98,6 +100,7 @@ class SqliteStore(Store):
             log.error("SQLite store not loaded; answering 503", extra={"error": exc.detail})
 
     def _install(self, loaded: Loaded) -> None:
+        self._dirty = set()
         self._kv = {e.key: e for e in loaded.entries}
         self._keys = [e.key for e in loaded.entries]  # ORDER BY key
         self._leases = {i: _Lease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
@@ -198,6 +201,8 @@ class SqliteStore(Store):
     # -- durability --------------------------------------------------------------------------
 
     def _persist(self, change: Change, keys: Iterable[str]) -> asyncio.Future[None]:
+        if self._dirty:
+            change.lease_puts.extend(self._checkpoint())
         self._seq += 1
         seq = self._seq
         fut = self._thread.commit(change)
@@ -319,19 +324,28 @@ class SqliteStore(Store):
         return Lease(lease_id, ttl_s, float(ttl_s))
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
+        """Renew in memory; the new expiry reaches the file with the next commit or sweep,
+        within ``sweep_interval_s`` (as etcd keeps keep-alives in its leader's memory and
+        checkpoints them). After a crash a lease may therefore end up to that much earlier
+        than its last renewal said: its rank's next heartbeat answers 404 and it registers
+        again, as after any expiry."""
         await self._usable()
-        self._writable()
         lease = self._leases.get(lease_id)
         now = time.time()
         if lease is None or lease.expires_at <= now:
             return None
         lease.expires_at = now + lease.ttl_s
         heapq.heappush(self._expiry, (lease.expires_at, lease_id))
-        change = Change(
-            self._revision, self._next_lease, lease_puts=[(lease_id, lease.ttl_s, lease.expires_at)]
-        )
-        await self._durable(self._persist(change, ()))
+        self._dirty.add(lease_id)
         return Lease(lease_id, lease.ttl_s, float(lease.ttl_s))
+
+    def _checkpoint(self) -> list[tuple[int, int, float]]:
+        dirty, self._dirty = self._dirty, set()
+        return [
+            (i, lease.ttl_s, lease.expires_at)
+            for i in dirty
+            if (lease := self._leases.get(i)) is not None
+        ]
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._usable()
@@ -355,6 +369,8 @@ class SqliteStore(Store):
             if lease is not None and lease.expires_at <= now:
                 expired.append(lease_id)
         if not expired:
+            if self._dirty:  # write the renewals of the last interval
+                self._persist(Change(self._revision, self._next_lease), ())
             return 0
         self._revision += 1
         change = Change(self._revision, self._next_lease)
