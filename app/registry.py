@@ -503,13 +503,25 @@ class Registry:
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
                 continue
-            if old is not None and old.lease != lease.id:
-                await self.store.revoke_lease(old.lease)
+            await self.release_leases(state, {rank})
             return self._agent_view(record, now + lease.remaining_s), old is None
         raise StoreUnavailable(f"Registering rank {rank} of {gid!r} lost too many races.")
 
+    async def release_leases(self, state: GroupState, ranks: set[int]) -> None:
+        """End the leases ``ranks`` held before, unless another rank still holds one (ranks
+        registered in one batch share a lease): so a heartbeat cannot renew a replaced or
+        deregistered agent, and no other rank's agent goes with it."""
+        old = {state.agents[r].lease for r in ranks if r in state.agents}
+        kept = {a.lease for r, a in state.agents.items() if r not in ranks}
+        for lease in sorted(old - kept):
+            await self.store.revoke_lease(lease)
+
+    @classmethod
+    def _agent_view(cls, record: AgentRecord, expires_at: float) -> Agent:
+        return cls._agent_view_at(record, utc_iso(expires_at))
+
     @staticmethod
-    def _agent_view(record: AgentRecord, expires_at: float) -> Agent:
+    def _agent_view_at(record: AgentRecord, expires_at: str) -> Agent:
         return Agent.model_construct(
             engine_id=record.engine_id,
             generation=record.generation,
@@ -519,7 +531,7 @@ class Registry:
             kv=record.kv,
             ttl_s=record.ttl_s,
             registered_at=record.registered_at,
-            expires_at=utc_iso(expires_at),
+            expires_at=expires_at,
         )
 
     def _absent(self, gid: str, rank: int) -> NotFound:
@@ -548,7 +560,7 @@ class Registry:
             [Compare(_agent_key(gid, rank), state.agent_revisions[rank])],
             [Delete(_agent_key(gid, rank)), Delete(_blob_key(gid, rank))],
         )
-        await self.store.revoke_lease(agent.lease)
+        await self.release_leases(state, {rank})
 
     # -- handshake ---------------------------------------------------------------------------
 

@@ -186,3 +186,47 @@ class Handshake(BaseModel):
 
 class Groups(BaseModel):
     groups: list[Engine]
+
+
+# -- batches: the ranks of a node (or a group) in one request --------------------------------
+
+MAX_BATCH = 1024
+
+
+class AgentItem(RegisterAgentRequest):
+    """One rank's registration inside a batch: the per-rank body plus its ``rank``."""
+
+    rank: Rank
+
+
+class RegisterAgentsRequest(_Request):
+    agents: Annotated[list[AgentItem], Field(min_length=1, max_length=MAX_BATCH)]
+
+    @model_validator(mode="after")
+    def _one_lease(self) -> RegisterAgentsRequest:
+        ranks = [a.rank for a in self.agents]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError("each rank may appear once in a batch")
+        if len({a.ttl_s for a in self.agents}) != 1:
+            raise ValueError("every agent of a batch shares one lease: give them one ttl_s")
+        return self
+
+
+class Agents(BaseModel):
+    agents: list[Agent]
+    created_ranks: list[int] = Field(description="Ranks that had no live agent before.")
+    replaced_ranks: list[int] = Field(description="Ranks whose live agent this replaced.")
+
+
+class HeartbeatsRequest(_Request):
+    engine_id: Token
+    ranks: Annotated[list[Rank], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class RankExpiry(BaseModel):
+    rank: int
+    expires_at: str
+
+
+class Heartbeats(BaseModel):
+    agents: list[RankExpiry]

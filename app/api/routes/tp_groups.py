@@ -6,16 +6,21 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
+from app import batch
 from app.api.deps import GroupIdPath, RankPath, RegistryDep, answer, refuse_oversized_body
 from app.jsonbody import LimitedJsonRoute
 from app.schemas import (
     Agent,
+    Agents,
     Engine,
     EngineIdBody,
     Groups,
     Heartbeat,
+    Heartbeats,
+    HeartbeatsRequest,
     OpenEngineRequest,
     RegisterAgentRequest,
+    RegisterAgentsRequest,
 )
 
 router = APIRouter(prefix="/tp-groups", tags=["tp-groups"], route_class=LimitedJsonRoute)
@@ -78,6 +83,29 @@ async def register_agent(
     client = request.client.host if request.client else None
     agent, created = await registry.register_agent(group_id, rank, body, client)
     return answer(agent, status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+
+@router.put(
+    "/{group_id}/engine/agents",
+    response_model=Agents,
+    summary="Register several ranks' agents at once (one transaction, one shared lease)",
+)
+async def register_agents(
+    group_id: GroupIdPath, body: RegisterAgentsRequest, registry: RegistryDep, request: Request
+) -> Response:
+    client = request.client.host if request.client else None
+    return answer(await batch.register_agents(registry, group_id, body, client))
+
+
+@router.post(
+    "/{group_id}/engine/agents/heartbeat",
+    response_model=Heartbeats,
+    summary="Renew the leases of several ranks at once",
+)
+async def heartbeat_agents(
+    group_id: GroupIdPath, body: HeartbeatsRequest, registry: RegistryDep
+) -> Response:
+    return answer(await batch.heartbeat_agents(registry, group_id, body.engine_id, body.ranks))
 
 
 @router.post(
