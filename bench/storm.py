@@ -252,6 +252,12 @@ class HttpStorm:
                 return
         raise RuntimeError(f"handshake {gid}/{rank} never answered 200")
 
+    def _jobs(self, s: aiohttp.ClientSession, w: aiohttp.ClientSession) -> list[Awaitable[None]]:
+        """One coroutine per rank, in a fixed random order."""
+        jobs = [(gid, role, pair, rank) for gid, role, pair in self.groups for rank in range(TP)]
+        random.Random(1).shuffle(jobs)
+        return [self._rank(s, w, i, *job) for i, job in enumerate(jobs)]
+
     async def run(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         self.opened = {gid: loop.create_future() for gid, _, _ in self.groups}
@@ -267,15 +273,11 @@ class HttpStorm:
             # Warm the connection pool's first connection and the server's first request.
             async with s.get(self.url + "/healthz") as r:
                 await r.read()
-            jobs = [
-                (gid, role, pair, rank) for gid, role, pair in self.groups for rank in range(TP)
-            ]
-            random.Random(1).shuffle(jobs)
             pid = getattr(self.url, "pid", None)
             server_cpu = cpu_seconds(pid) if pid else 0.0
             client_cpu = time.process_time()
             self.t0 = time.perf_counter()
-            tasks = [self._rank(s, w, i, *job) for i, job in enumerate(jobs)]
+            tasks = self._jobs(s, w)
             try:
                 await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S)
             finally:
