@@ -43,6 +43,8 @@ from tests.support.server import RegistryProcess
 # A request that needs the store answers within the store timeout and this margin.
 MARGIN_S = 1.5
 WRITE_BOUND_S = STORE_TIMEOUT_S + MARGIN_S
+# How long a read that should take 1 s is waited for, to see what it answers instead.
+READ_PATIENCE_S = STORE_TIMEOUT_S
 # Once the disk is back, writes work again within this (no restart).
 RECOVERY_S = 5.0
 
@@ -79,6 +81,24 @@ def expect_503_within(
     if seconds > bound_s:
         broken.append(f"{what}: 503 after {seconds:.2f} s (bound {bound_s:.1f} s)")
     return body
+
+
+Call = tuple[str, str, str, Any]  # what, method, path, JSON body
+
+
+def concurrently(
+    server: RegistryProcess, calls: list[Call], bound_s: float = WRITE_BOUND_S
+) -> list[tuple[str, Any, float]]:
+    """Each call on its own connection, all at once (``bounded``); in the calls' order."""
+
+    def one(call: Call) -> tuple[str, Any, float]:
+        what, method, path, body = call
+        with httpx.Client(base_url=server.url) as own:
+            answer, seconds = bounded(own, method, path, bound_s=bound_s, json=body)
+        return what, answer, seconds
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(one, calls))
 
 
 @contextmanager
@@ -119,6 +139,7 @@ def test_a_frozen_disk_leaves_healthz_and_reads_fast_and_bounds_writes_and_ready
         server = serve(tmp_path, mnt / "registry.db")
         try:
             with httpx.Client(base_url=server.url, timeout=10.0) as http:
+                open_engine(http, "quiet")  # a group no write touches while frozen
                 engine = open_engine(http, "stalled", tp_size=2)
                 group, eid = engine["group_id"], engine["engine_id"]
                 put = http.put(f"/tp-groups/{group}/engine/agents/0", json=agent_body(eid, 0))
@@ -156,35 +177,34 @@ def test_a_frozen_disk_leaves_healthz_and_reads_fast_and_bounds_writes_and_ready
 
 
 def check_frozen(server: RegistryProcess, group: str, eid: str, broken: list[str]) -> None:
-    with httpx.Client(base_url=server.url, timeout=10.0) as http:
+    """While frozen: reads of both groups, three store calls at once, the reads again."""
 
-        def read(when: str) -> None:
-            answer, seconds = bounded(http, "GET", f"/tp-groups/{group}/engine", bound_s=1.0)
+    def read(when: str) -> None:
+        # Both groups at once; patient enough to see what a read that misses its 1 s
+        # bound answers in the end (the store timeout's 503, say).
+        reads: list[Call] = [
+            (f"GET the group {when}", "GET", f"/tp-groups/{group}/engine", None),
+            (f"GET an untouched group {when}", "GET", "/tp-groups/quiet/engine", None),
+        ]
+        for what, answer, seconds in concurrently(server, reads, bound_s=READ_PATIENCE_S):
             status = answer.status_code if isinstance(answer, httpx.Response) else answer
             if status != 200 or seconds > 1.0:
-                broken.append(f"GET the group {when}: {status!r} after {seconds:.2f} s")
+                broken.append(f"{what}: {status!r} after {seconds:.2f} s")
 
-        read("as the disk froze")
+    read("as the disk froze")
 
-        writes: list[tuple[str, str, str, Any]] = [
-            ("register an agent", "PUT", f"/tp-groups/{group}/engine/agents/1",
-             agent_body(eid, 1)),
-            ("open an engine", "PUT", "/tp-groups/stalled-new/engine",
-             {"launch_id": "l-new", "tp_size": 1, "role": "prefill"}),
-            ("/readyz", "GET", "/readyz", None),
-        ]  # fmt: skip
+    writes: list[Call] = [
+        ("register an agent", "PUT", f"/tp-groups/{group}/engine/agents/1",
+         agent_body(eid, 1)),
+        ("open an engine", "PUT", "/tp-groups/stalled-new/engine",
+         {"launch_id": "l-new", "tp_size": 1, "role": "prefill"}),
+        ("/readyz", "GET", "/readyz", None),
+    ]  # fmt: skip
 
-        def one(item: tuple[str, str, str, Any]) -> tuple[str, Any, float]:
-            what, method, path, body = item
-            with httpx.Client(base_url=server.url) as own:
-                answer, seconds = bounded(own, method, path, json=body)
-            return what, answer, seconds
+    for what, answer, seconds in concurrently(server, writes):
+        expect_503_within(what, answer, seconds, WRITE_BOUND_S, broken)
 
-        with ThreadPoolExecutor(len(writes)) as pool:
-            for what, answer, seconds in pool.map(one, writes):
-                expect_503_within(what, answer, seconds, WRITE_BOUND_S, broken)
-
-        read("after the writes timed out")
+    read("after writes to the group timed out")
 
 
 # -- 7. a read-only filesystem that comes back -------------------------------------------------
@@ -209,13 +229,13 @@ def test_a_store_on_a_read_only_disk_answers_503_and_writes_resume_once_it_is_wr
         try:
             with httpx.Client(base_url=server.url, timeout=10.0) as http:
                 broken: list[str] = []
-                for what, method, path, body in [
+                calls: list[Call] = [
                     ("open an engine", "PUT", "/tp-groups/readonly-new/engine",
                      {"launch_id": "l-ro", "tp_size": 1, "role": "prefill"}),
                     ("register an agent", "PUT", "/tp-groups/readonly/engine/agents/0",
                      agent_body(engine["engine_id"], 0)),
-                ]:  # fmt: skip
-                    answer, seconds = bounded(http, method, path, json=body)
+                ]  # fmt: skip
+                for what, answer, seconds in concurrently(server, calls):
                     expect_503_within(f"{what} (read-only)", answer, seconds, WRITE_BOUND_S, broken)
                 assert not broken, "\n".join(broken)
 
@@ -310,13 +330,13 @@ def test_deleting_the_database_file_under_the_server_answers_writes_503_and_logs
                 Path(f"{db}{suffix}").unlink(missing_ok=True)
 
             broken: list[str] = []
-            for what, method, path, body in [
+            calls: list[Call] = [
                 ("open an engine", "PUT", "/tp-groups/deleted-new/engine",
                  {"launch_id": "l-del", "tp_size": 1, "role": "prefill"}),
                 ("register an agent", "PUT", f"/tp-groups/{group}/engine/agents/1",
                  agent_body(eid, 1)),
-            ]:  # fmt: skip
-                answer, seconds = bounded(http, method, path, json=body)
+            ]  # fmt: skip
+            for what, answer, seconds in concurrently(server, calls):
                 problem = expect_503_within(what, answer, seconds, WRITE_BOUND_S, broken)
                 if problem is not None and not DELETED.search(problem["detail"]):
                     broken.append(f"{what}: the 503 does not say the file went: {problem}")
