@@ -55,9 +55,13 @@ def require_root(*tools: str) -> None:
 
 
 def _sh(*cmd: str | Path, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout_s, check=True
-    )
+    argv = [str(c) for c in cmd]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(argv)} exited with {done.returncode}: {done.stderr.strip() or done.stdout}"
+        )
+    return done
 
 
 # -- filesystems ---------------------------------------------------------------------------
