@@ -188,6 +188,15 @@ def json_log_lines(text: str) -> list[dict[str, Any]]:
     return lines
 
 
+def socket_fds(pid: int) -> int:
+    """How many sockets process ``pid`` holds open (its listener and connections)."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return count
+
+
 def vm_rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

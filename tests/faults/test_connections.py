@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults.hostile import PROBLEM, log_of, open_engine, serve, vm_rss_kib
+from tests.faults.hostile import PROBLEM, log_of, open_engine, serve, socket_fds, vm_rss_kib
 from tests.support.server import RegistryProcess
 
 HEADER_TIMEOUT_S = 2.0
@@ -118,8 +118,15 @@ async def hold_then_terminate(
                 (time.monotonic() - sent_term),
             )
 
+        baseline = socket_fds(proc.pid)
         tasks = [asyncio.create_task(one()) for _ in range(HELD)]
-        await asyncio.sleep(1.5)
+        # Held: the server has accepted every connection (then a moment to parse and park
+        # each request), however loaded the machine.
+        for _ in range(150):  # 15 s at most
+            if socket_fds(proc.pid) >= baseline + HELD:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
         early = [t.result() for t in tasks if t.done()]
         assert not early, f"long-polls answered before SIGTERM: {early[:3]}"
         sent_term = time.monotonic()
