@@ -41,14 +41,18 @@ ROOT_REASON = (
 def require_root(*tools: str) -> None:
     """Skip when not root (or a tool is missing) on a developer's machine; fail under CI
     (``CI`` set), where a skipped fault test would hide a regression."""
-    missing = [t for t in tools if shutil.which(t) is None]
-    reason = ""
     if os.geteuid() != 0:
-        reason = ROOT_REASON
-    elif missing:
-        reason = f"needs {', '.join(missing)} (util-linux, e2fsprogs) on PATH"
-    if not reason:
-        return
+        _unable(ROOT_REASON)
+    require_tools(*tools)
+
+
+def require_tools(*tools: str) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        _unable(f"needs {', '.join(missing)} (util-linux, e2fsprogs) on PATH")
+
+
+def _unable(reason: str) -> None:
     if os.environ.get("CI", "").lower() not in {"", "0", "false"}:
         pytest.fail(f"{reason}; CI is set, so this is a failure, not a skip", pytrace=False)
     pytest.skip(reason)

@@ -25,7 +25,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.faults.hostile import PROBLEM, log_of, open_engine, serve, socket_fds, vm_rss_kib
+from tests.faults.hostile import (
+    PROBLEM,
+    log_of,
+    open_engine,
+    require_tools,
+    serve,
+    socket_fds,
+    vm_rss_kib,
+)
 from tests.support.server import RegistryProcess
 
 HEADER_TIMEOUT_S = 2.0
@@ -356,6 +364,7 @@ def raise_own_nofile(need: int) -> None:
 def test_with_1100_idle_connections_under_a_1024_descriptor_limit_a_client_is_still_served(
     tmp_path: Path,
 ) -> None:
+    require_tools("prlimit")
     raise_own_nofile(IDLE + 512)
     server = serve(
         tmp_path,
