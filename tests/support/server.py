@@ -36,13 +36,16 @@ class RegistryProcess:
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
+        """``prefix``: a command that runs the server (``prlimit --nofile=1024:1024``, say)."""
         self.store = store
         self.host = host
         self.port = port or free_port(host)
         self.args = list(args)
         self.env = dict(env or {})
         self.log_path = log_path
+        self.prefix = list(prefix)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: BinaryIO | None = None
 
@@ -53,7 +56,7 @@ class RegistryProcess:
     def start(self, timeout_s: float = 20.0) -> RegistryProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         cmd = [
-            sys.executable, "-m", "app", "serve",
+            *self.prefix, sys.executable, "-m", "app", "serve",
             "--host", self.host, "--port", str(self.port), "--store", self.store, *self.args,
         ]  # fmt: skip
         self._close_log()
