@@ -11,8 +11,10 @@ below adds, per connection:
 - ``max_header_bytes``: a request whose headers exceed this answers ``431`` and closes;
 - a malformed request gets a problem+json ``400`` (uvicorn's own is plain text).
 
-Idle keep-alive connections close after ``keep_alive_s`` (longer than a worker's heartbeat
-interval, so a worker's connection is reused rather than raced by the server's close);
+Idle keep-alive connections close after ``keep_alive_s`` (75 s, as nginx; uvicorn's 5 s
+default raced clients' pools: aiohttp keeps an idle connection 15 s, and a request sent on a
+connection the server closes at that instant is reset, which broke the 1,024- and 4,096-rank
+storms; it also outlives a worker's heartbeat interval, so that connection is reused);
 ``max_connections`` bounds open connections: past it the connection idle the longest is
 closed to make room (``503`` when every one is busy); it is kept below the process's
 descriptor limit, whose soft value is raised to the hard one at start. A request body must

@@ -43,7 +43,7 @@ class Settings(BaseSettings):
         1.0, gt=0, le=60, description="How often expired leases are purged (SQLite)."
     )
     keep_alive_s: int = Field(
-        30, ge=1, le=3600, description="Idle keep-alive connections close after this."
+        75, ge=1, le=3600, description="Idle keep-alive connections close after this."
     )
     header_timeout_s: float = Field(
         10.0, gt=0, le=300, description="A request's headers must arrive within this (408)."
