@@ -6,7 +6,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
-from app import batch
 from app.api.deps import GroupIdPath, RankPath, RegistryDep, answer, refuse_oversized_body
 from app.jsonbody import LimitedJsonRoute
 from app.schemas import (
@@ -94,7 +93,7 @@ async def register_agents(
     group_id: GroupIdPath, body: RegisterAgentsRequest, registry: RegistryDep, request: Request
 ) -> Response:
     client = request.client.host if request.client else None
-    return answer(await batch.register_agents(registry, group_id, body, client))
+    return answer(await registry.register_agents(group_id, body, client))
 
 
 @router.post(
@@ -105,7 +104,7 @@ async def register_agents(
 async def heartbeat_agents(
     group_id: GroupIdPath, body: HeartbeatsRequest, registry: RegistryDep
 ) -> Response:
-    return answer(await batch.heartbeat_agents(registry, group_id, body.engine_id, body.ranks))
+    return answer(await registry.heartbeat_agents(group_id, body.engine_id, body.ranks))
 
 
 @router.post(

@@ -1,0 +1,48 @@
+"""The domain rules: engines per launch, agents with leases, resolution and handshakes.
+
+Keys in the store (``gid`` a group id, ``eid`` an engine id):
+
+    groups/{gid}/engine           the current engine of the group (JSON EngineRecord)
+    groups/{gid}/agents/{rank}    a live agent of the current engine, without its blob (lease)
+    blobs/{gid}/{rank}            that agent's metadata blob, on the same lease
+    launches/{gid}/{launch_id}    {engine_id, generation} of every launch the group has seen
+    engines/{eid}                 {group_id, generation}: who was issued this engine_id
+
+Every state change is one store transaction guarded by the engine key's mod_revision, so an
+open, a registration and a deletion racing each other serialize; losers re-read and retry.
+"""
+
+from __future__ import annotations
+
+from app.registry.agents import AgentsMixin, _check_reachable
+from app.registry.base import RegistryBase
+from app.registry.batches import BatchesMixin
+from app.registry.engines import EnginesMixin
+from app.registry.handshakes import HandshakesMixin
+from app.registry.records import (
+    MAX_ATTEMPTS,
+    AgentRecord,
+    Decoded,
+    EngineRecord,
+    IndexRecord,
+    utc_iso,
+)
+from app.registry.state import GroupState
+
+
+class Registry(EnginesMixin, BatchesMixin, HandshakesMixin, AgentsMixin, RegistryBase):
+    """The domain rules over a :class:`app.store.Store` (see the module doc)."""
+
+
+__all__ = [
+    "MAX_ATTEMPTS",
+    "AgentRecord",
+    "Decoded",
+    "EngineRecord",
+    "GroupState",
+    "IndexRecord",
+    "Registry",
+    "RegistryBase",
+    "_check_reachable",
+    "utc_iso",
+]

@@ -1,0 +1,133 @@
+"""A rank's agent: register, renew, deregister."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from app.errors import (
+    InvalidRequest,
+    StoreUnavailable,
+)
+from app.registry.base import RegistryBase
+from app.registry.records import (
+    MAX_ATTEMPTS,
+    AgentRecord,
+    _agent_key,
+    _blob_key,
+    _dump,
+    _engine_key,
+    utc_iso,
+)
+from app.schemas import (
+    Agent,
+    Heartbeat,
+    RegisterAgentRequest,
+    parse_host,
+)
+from app.store import Compare, Delete, Put
+
+
+class AgentsMixin(RegistryBase):
+    # -- agents ------------------------------------------------------------------------------
+
+    async def register_agent(
+        self, gid: str, rank: int, req: RegisterAgentRequest, client_host: str | None
+    ) -> tuple[Agent, bool]:
+        _check_reachable(req.host, client_host)
+        blob = base64.b64decode(req.agent_metadata)
+        for _ in range(MAX_ATTEMPTS):
+            state = await self._current(gid, rank, req.engine_id)
+            old = state.agents.get(rank)
+            lease = await self.store.grant_lease(req.ttl_s)
+            now = time.time()
+            record = AgentRecord(
+                rank=rank,
+                engine_id=req.engine_id,
+                generation=state.engine.generation,
+                agent_name=req.agent_name,
+                host=req.host,
+                kv=req.kv.model_dump(),
+                ttl_s=req.ttl_s,
+                registered_at=utc_iso(now),
+                lease=lease.id,
+            )
+            result = await self.store.txn(
+                [
+                    Compare(_engine_key(gid), state.engine_revision),
+                    Compare(_agent_key(gid, rank), state.agent_revisions.get(rank, 0)),
+                ],
+                [
+                    Put(_agent_key(gid, rank), _dump(record), lease=lease.id),
+                    Put(_blob_key(gid, rank), blob, lease=lease.id),
+                ],
+            )
+            if not result.succeeded:
+                await self.store.revoke_lease(lease.id)
+                continue
+            await self.release_leases(state, {rank})
+            return self._agent_view(record, now + lease.remaining_s), old is None
+        raise StoreUnavailable(f"Registering rank {rank} of {gid!r} lost too many races.")
+
+    @classmethod
+    def _agent_view(cls, record: AgentRecord, expires_at: float) -> Agent:
+        return cls._agent_view_at(record, utc_iso(expires_at))
+
+    @staticmethod
+    def _agent_view_at(record: AgentRecord, expires_at: str) -> Agent:
+        return Agent.model_construct(
+            engine_id=record.engine_id,
+            generation=record.generation,
+            rank=record.rank,
+            agent_name=record.agent_name,
+            host=record.host,
+            kv=record.kv,
+            ttl_s=record.ttl_s,
+            registered_at=record.registered_at,
+            expires_at=expires_at,
+        )
+
+    async def heartbeat(self, gid: str, rank: int, engine_id: str) -> Heartbeat:
+        state = await self._current(gid, rank, engine_id)
+        agent = state.agents.get(rank)
+        if agent is None:
+            raise self._absent(gid, rank)
+        lease = await self.store.refresh_lease(agent.lease)
+        if lease is None:
+            raise self._absent(gid, rank)
+        return Heartbeat.model_construct(expires_at=utc_iso(time.time() + lease.remaining_s))
+
+    async def deregister(self, gid: str, rank: int, engine_id: str) -> None:
+        state = await self._current(gid, rank, engine_id)
+        agent = state.agents.get(rank)
+        if agent is None:
+            raise self._absent(gid, rank)
+        await self.store.txn(
+            [Compare(_agent_key(gid, rank), state.agent_revisions[rank])],
+            [Delete(_agent_key(gid, rank)), Delete(_blob_key(gid, rank))],
+        )
+        await self.release_leases(state, {rank})
+
+
+def _check_reachable(host: str, client_host: str | None) -> None:
+    """Refuse a loopback ``host`` from a rank that reached us over the network."""
+    address = parse_host(host)
+    if address is None or not address.is_loopback or client_host is None:
+        return
+    try:
+        client = parse_host(client_host)
+    except ValueError:
+        return
+    if client is not None and not client.is_loopback:
+        raise InvalidRequest(
+            f"host {host!r} is a loopback address, but this rank reached the registry from "
+            f"{client_host}: peers on other nodes cannot reach it there. Advertise the "
+            "address of the interface that routes to the registry.",
+            errors=[
+                {
+                    "loc": ["body", "host"],
+                    "msg": "loopback host from a remote client",
+                    "type": "unreachable_host",
+                }
+            ],
+        )

@@ -1,0 +1,200 @@
+"""The registry's shared reads and checks: groups, engine resolution, mismatches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from app.errors import (
+    EngineIdMismatch,
+    EngineSuperseded,
+    InvalidRequest,
+    NotFound,
+)
+from app.metrics import Metrics
+from app.registry.records import (
+    Decoded,
+    IndexRecord,
+    _group_prefix,
+)
+from app.registry.state import GroupState
+from app.schemas import (
+    Engine,
+)
+from app.store import Snapshot, Store
+
+
+class RegistryBase:
+    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
+        self.store = store
+        self.metrics = metrics or Metrics()
+        self.decoded = Decoded()
+        self.draining = False
+        self._drained: asyncio.Event | None = None
+
+    def drain(self) -> None:
+        """The service is shutting down: every held ``wait_ready`` answers now."""
+        self.draining = True
+        if self._drained is not None:
+            self._drained.set()
+
+    async def _wait_change(self, prefix: str, revision: int, timeout_s: float) -> None:
+        if self._drained is None:
+            self._drained = asyncio.Event()
+            if self.draining:
+                self._drained.set()
+        change = asyncio.ensure_future(self.store.wait(prefix, revision, timeout_s))
+        drained = asyncio.ensure_future(self._drained.wait())
+        try:
+            await asyncio.wait({change, drained}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            change.cancel()
+            drained.cancel()
+        if change.done() and not change.cancelled():
+            change.result()  # a store failure answers 503
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def _group(self, gid: str) -> GroupState:
+        state = GroupState.read(await self.store.range(_group_prefix(gid)), gid, self.decoded)
+        if state is None:
+            raise NotFound(
+                f"No TP group {gid!r} in this registry. Its rank 0 opens it with "
+                f"PUT /tp-groups/{gid}/engine; check the group id and the registry URL."
+            )
+        return state
+
+    async def get_engine(self, gid: str, wait_ready_s: float | None = None) -> Engine:
+        state = await self._group(gid)
+        if not wait_ready_s:
+            return state.view()
+        deadline = time.monotonic() + wait_ready_s
+        while state.missing and not self.draining:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            await self._wait_change(_group_prefix(gid), state.revision, remaining)
+            state = await self._group(gid)
+        return state.view()
+
+    async def list_groups(self) -> list[Engine]:
+        snap = await self.store.range("groups/")
+        by_group: dict[str, list[Any]] = {}
+        for entry in snap.entries:
+            gid = entry.key.split("/", 2)[1]
+            by_group.setdefault(gid, []).append(entry)
+        views = []
+        for gid, entries in by_group.items():
+            sub = Snapshot(entries, snap.revision, snap.lease_remaining_s, snap.read_at)
+            state = GroupState.read(sub, gid, self.decoded)
+            if state is not None:
+                views.append(state.view())
+        return views
+
+    async def _index(self, engine_id: str) -> IndexRecord | None:
+        entry = await self.store.get(f"engines/{engine_id}")
+        return None if entry is None else IndexRecord.model_validate_json(entry.value)
+
+    async def resolve(self, engine_id: str) -> GroupState:
+        index = await self._index(engine_id)
+        if index is None:
+            raise NotFound(
+                f"engine_id {engine_id!r} was never issued by this registry (or its group was "
+                "deleted). Check that the decode and the prefill use the same registry."
+            )
+        state = GroupState.read(
+            await self.store.range(_group_prefix(index.group_id)), index.group_id, self.decoded
+        )
+        if state is None:
+            raise NotFound(f"engine_id {engine_id!r} belonged to a group that was deleted.")
+        if state.engine.engine_id != engine_id:
+            raise EngineSuperseded(
+                f"engine {engine_id} was generation {index.generation} of group "
+                f"{index.group_id!r}, superseded by generation {state.engine.generation} "
+                f"(engine {state.engine.engine_id}): the prefill group was relaunched. "
+                "Resolve the current engine and handshake again.",
+                current_engine_id=state.engine.engine_id,
+                current_generation=state.engine.generation,
+            )
+        return state
+
+    # -- shared by agents and batches ---------------------------------------------------
+
+    async def _mismatch(self, state: GroupState, rank: int, got: str) -> EngineIdMismatch:
+        gid, current = state.engine.group_id, state.engine
+        index = await self._index(got)
+        if index is not None and index.group_id == gid:
+            cause = "superseded"
+            why = (
+                f"it is generation {index.generation} of this group, superseded by generation "
+                f"{current.generation}: the rank belongs to an old launch. Restart it with the "
+                "current launch, or stop it."
+            )
+        elif index is not None:
+            cause = "other_group"
+            why = (
+                f"it was issued to group {index.group_id!r} (generation {index.generation}): "
+                "the group id differs across this group's nodes. Give every node of one TP "
+                "group the same group id."
+            )
+        else:
+            cause = "unknown"
+            why = (
+                "this registry never issued it: the rank made up its own engine_id (as vLLM "
+                "does per node without a registry) or talks to another registry. Point every "
+                "rank at the same registry and take the engine_id it issues."
+            )
+        self.metrics.mismatches.labels(cause).inc()
+        return EngineIdMismatch(
+            f"rank {rank} of group {gid!r} sent engine_id {got}, but the current engine is "
+            f"{current.engine_id} (generation {current.generation}); {why}",
+            expected_engine_id=current.engine_id,
+            got_engine_id=got,
+            cause=cause,
+            group_id=gid,
+            rank=rank,
+            current_generation=current.generation,
+            got_generation=index.generation if index else None,
+        )
+
+    async def _current(self, gid: str, rank: int, engine_id: str) -> GroupState:
+        state = await self._group(gid)
+        if rank >= state.engine.tp_size:
+            raise InvalidRequest(
+                f"rank {rank} is outside group {gid!r} of tp_size {state.engine.tp_size}.",
+                errors=[
+                    {
+                        "loc": ["path", "rank"],
+                        "msg": f"must be below tp_size {state.engine.tp_size}",
+                        "type": "less_than",
+                    }
+                ],
+            )
+        if engine_id != state.engine.engine_id:
+            raise await self._mismatch(state, rank, engine_id)
+        return state
+
+    async def release_leases(self, state: GroupState, ranks: set[int]) -> None:
+        """End the leases ``ranks`` held before, unless another rank still holds one (ranks
+        registered in one batch share a lease): so a heartbeat cannot renew a replaced or
+        deregistered agent, and no other rank's agent goes with it."""
+        old = {state.agents[r].lease for r in ranks if r in state.agents}
+        kept = {a.lease for r, a in state.agents.items() if r not in ranks}
+        for lease in sorted(old - kept):
+            await self.store.revoke_lease(lease)
+
+    def _absent(self, gid: str, rank: int) -> NotFound:
+        return NotFound(
+            f"rank {rank} of group {gid!r} has no live agent (never registered, deregistered, "
+            "or its lease expired): register it again with PUT "
+            f"/tp-groups/{gid}/engine/agents/{rank}."
+        )
+
+    # -- observability -----------------------------------------------------------------------
+
+    async def refresh_gauges(self) -> None:
+        groups = await self.list_groups()
+        self.metrics.groups.set(len(groups))
+        self.metrics.ready_groups.set(sum(g.ready for g in groups))
+        self.metrics.live_agents.set(sum(len(g.registered_ranks) for g in groups))

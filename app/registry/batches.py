@@ -1,0 +1,126 @@
+"""Batches: every rank of a node (or of a group) registered in one request and one
+transaction, and renewed by one heartbeat.
+
+The ranks of a batch share one lease: they appear together, all or none (the first rank
+that fails is named in the error), and they expire together unless renewed. The per-rank
+routes stay for ranks that publish on their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from app.errors import InvalidRequest, StoreUnavailable
+from app.registry.agents import AgentsMixin, _check_reachable
+from app.registry.records import (
+    MAX_ATTEMPTS,
+    AgentRecord,
+    _agent_key,
+    _blob_key,
+    _dump,
+    _engine_key,
+    utc_iso,
+)
+from app.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest
+from app.store import Compare, Put
+
+
+class BatchesMixin(AgentsMixin):
+    async def register_agents(
+        self, gid: str, req: RegisterAgentsRequest, client_host: str | None
+    ) -> Agents:
+        for item in req.agents:
+            _check_reachable(item.host, client_host)
+        blobs = [base64.b64decode(item.agent_metadata) for item in req.agents]
+        ttl_s = req.agents[0].ttl_s
+        for _ in range(MAX_ATTEMPTS):
+            state = await self._group(gid)
+            engine = state.engine
+            for i, item in enumerate(req.agents):
+                if item.rank >= engine.tp_size:
+                    raise InvalidRequest(
+                        f"rank {item.rank} (agents[{i}]) is outside group {gid!r} of tp_size "
+                        f"{engine.tp_size}; nothing of the batch was registered.",
+                        errors=[
+                            {
+                                "loc": ["body", "agents", i, "rank"],
+                                "msg": f"must be below tp_size {engine.tp_size}",
+                                "type": "less_than",
+                            }
+                        ],
+                    )
+                if item.engine_id != engine.engine_id:
+                    raise await self._mismatch(state, item.rank, item.engine_id)
+            lease = await self.store.grant_lease(ttl_s)
+            now = time.time()
+            records = [
+                AgentRecord(
+                    rank=item.rank,
+                    engine_id=item.engine_id,
+                    generation=engine.generation,
+                    agent_name=item.agent_name,
+                    host=item.host,
+                    kv=item.kv.model_dump(),
+                    ttl_s=ttl_s,
+                    registered_at=utc_iso(now),
+                    lease=lease.id,
+                )
+                for item in req.agents
+            ]
+            compares = [Compare(_engine_key(gid), state.engine_revision)] + [
+                Compare(_agent_key(gid, r.rank), state.agent_revisions.get(r.rank, 0))
+                for r in records
+            ]
+            ops = [
+                op
+                for record, blob in zip(records, blobs, strict=True)
+                for op in (
+                    Put(_agent_key(gid, record.rank), _dump(record), lease=lease.id),
+                    Put(_blob_key(gid, record.rank), blob, lease=lease.id),
+                )
+            ]
+            result = await self.store.txn(compares, ops)
+            if not result.succeeded:
+                await self.store.revoke_lease(lease.id)
+                continue
+            batch = {r.rank for r in records}
+            await self.release_leases(state, batch)
+            expires = utc_iso(now + lease.remaining_s)
+            return Agents.model_construct(
+                agents=[self._agent_view_at(r, expires) for r in records],
+                created_ranks=sorted(batch - state.agents.keys()),
+                replaced_ranks=sorted(batch & state.agents.keys()),
+            )
+        raise StoreUnavailable(f"Registering a batch in group {gid!r} lost too many races.")
+
+    async def heartbeat_agents(self, gid: str, engine_id: str, ranks: list[int]) -> Heartbeats:
+        state = await self._group(gid)
+        for rank in ranks:
+            if rank >= state.engine.tp_size:
+                raise InvalidRequest(
+                    f"rank {rank} is outside group {gid!r} of tp_size {state.engine.tp_size}.",
+                    errors=[
+                        {
+                            "loc": ["body", "ranks"],
+                            "msg": f"rank {rank} must be below tp_size {state.engine.tp_size}",
+                            "type": "less_than",
+                        }
+                    ],
+                )
+        if engine_id != state.engine.engine_id:
+            raise await self._mismatch(state, ranks[0], engine_id)
+        absent = [r for r in ranks if r not in state.agents]
+        if absent:
+            raise self._absent(gid, absent[0])
+        expiry: dict[int, str] = {}
+        for lease_id in {state.agents[r].lease for r in ranks}:
+            lease = await self.store.refresh_lease(lease_id)
+            holders = [r for r in ranks if state.agents[r].lease == lease_id]
+            if lease is None:
+                raise self._absent(gid, holders[0])
+            for r in holders:
+                expiry[r] = utc_iso(time.time() + lease.remaining_s)
+        return Heartbeats.model_construct(
+            agents=[RankExpiry.model_construct(rank=r, expires_at=expiry[r]) for r in ranks]
+        )

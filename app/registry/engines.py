@@ -1,0 +1,138 @@
+"""Engines: one per launch of a group; opening, supersession, deletion."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+
+from app import compat as compat_rules
+from app.errors import (
+    GroupConflict,
+    LaunchSuperseded,
+    StoreUnavailable,
+)
+from app.registry.base import RegistryBase
+from app.registry.records import (
+    MAX_ATTEMPTS,
+    EngineRecord,
+    IndexRecord,
+    _agent_prefix,
+    _dump,
+    _engine_key,
+    _group_prefix,
+    utc_iso,
+)
+from app.registry.state import GroupState
+from app.schemas import (
+    Engine,
+    OpenEngineRequest,
+)
+from app.store import Compare, Delete, Put
+
+
+class EnginesMixin(RegistryBase):
+    # -- engines -----------------------------------------------------------------------------
+
+    async def open_engine(self, gid: str, req: OpenEngineRequest) -> tuple[Engine, bool]:
+        """Open the engine of ``req.launch_id``; returns (engine, created)."""
+        for _ in range(MAX_ATTEMPTS):
+            snap = await self.store.range(_group_prefix(gid))
+            state = GroupState.read(snap, gid, self.decoded)
+            generation = 1
+            if state is not None:
+                current = state.engine
+                if current.launch_id == req.launch_id:
+                    self._check_same_launch(gid, current, req)
+                    return state.view(), False
+                generation = current.generation + 1
+            launch_key = f"launches/{gid}/{req.launch_id}"
+            launch = await self.store.get(launch_key)
+            if launch is not None and launch.mod_revision > snap.revision:
+                continue  # a concurrent open wrote it after our read: re-read, maybe it's ours
+            if launch is not None:
+                seen = IndexRecord.model_validate_json(launch.value)
+                current_gen = state.engine.generation if state else seen.generation
+                raise LaunchSuperseded(
+                    f"launch {req.launch_id!r} opened generation {seen.generation} of group "
+                    f"{gid!r}, which a newer launch superseded (current generation "
+                    f"{current_gen}). This process belongs to an old launch: stop it, or "
+                    "restart it so that it makes a new launch_id.",
+                    current_generation=current_gen,
+                )
+            engine = EngineRecord(
+                group_id=gid,
+                engine_id=str(uuid.uuid4()),
+                generation=generation,
+                launch_id=req.launch_id,
+                tp_size=req.tp_size,
+                role=req.role,
+                compat=req.compat or {},
+                created_at=utc_iso(time.time()),
+            )
+            index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
+            result = await self.store.txn(
+                [
+                    Compare(_engine_key(gid), state.engine_revision if state else 0),
+                    Compare(launch_key, 0),
+                ],
+                [
+                    Put(_engine_key(gid), _dump(engine)),
+                    Put(launch_key, _dump(index)),
+                    Put(f"engines/{engine.engine_id}", _dump(index)),
+                    Delete(_agent_prefix(gid), prefix=True),
+                    Delete(f"blobs/{gid}/", prefix=True),
+                ],
+            )
+            if result.succeeded:
+                self.metrics.engines_opened.inc()
+                if state is not None:
+                    await self._revoke_quietly(a.lease for a in state.agents.values())
+                fresh = GroupState(engine, result.revision, {}, {}, {}, result.revision)
+                return fresh.view(), True
+        raise StoreUnavailable(f"Opening an engine for group {gid!r} lost too many races.")
+
+    async def _revoke_quietly(self, leases: Iterable[int]) -> None:
+        """End the superseded agents' leases now, so that a heartbeat racing the open cannot
+        renew them. Their keys are already gone; a failure here leaves them to expire."""
+        for lease in leases:
+            try:
+                await self.store.revoke_lease(lease)
+            except StoreUnavailable:
+                return
+
+    @staticmethod
+    def _check_same_launch(gid: str, current: EngineRecord, req: OpenEngineRequest) -> None:
+        diffs = []
+        if current.tp_size != req.tp_size:
+            diffs.append(f"tp_size {req.tp_size} (open engine has {current.tp_size})")
+        if current.role != req.role:
+            diffs.append(f"role {req.role!r} (open engine has {current.role!r})")
+        if req.compat is not None and not compat_rules.equal(current.compat, req.compat):
+            diffs.append(f"compat {req.compat} (open engine has {current.compat})")
+        if diffs:
+            raise GroupConflict(
+                f"launch {req.launch_id!r} already opened generation {current.generation} of "
+                f"group {gid!r} with other settings: {'; '.join(diffs)}. Two different "
+                "deployments share this group id, or a launch_id was reused: give each "
+                "deployment its own group id and each process start a fresh launch_id."
+            )
+
+    async def delete_group(self, gid: str) -> None:
+        for _ in range(MAX_ATTEMPTS):
+            state = await self._group(gid)
+            launches = await self.store.range(f"launches/{gid}/")
+            engine_ids = {
+                IndexRecord.model_validate_json(e.value).engine_id for e in launches.entries
+            }
+            engine_ids.add(state.engine.engine_id)
+            ops = [
+                Delete(_group_prefix(gid), prefix=True),
+                Delete(f"launches/{gid}/", prefix=True),
+                Delete(f"blobs/{gid}/", prefix=True),
+                *(Delete(f"engines/{eid}") for eid in sorted(engine_ids) if eid),
+            ]
+            result = await self.store.txn([Compare(_engine_key(gid), state.engine_revision)], ops)
+            if result.succeeded:
+                return
+        raise StoreUnavailable(f"Deleting group {gid!r} lost too many races.")

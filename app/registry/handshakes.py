@@ -1,0 +1,108 @@
+"""What a decode rank must load from a prefill engine."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+from app import compat as compat_rules
+from app.errors import (
+    Incompatible,
+    InvalidRequest,
+    NotReady,
+)
+from app.registry.base import RegistryBase
+from app.registry.records import (
+    _blob_key,
+    utc_iso,
+)
+from app.schemas import (
+    Handshake,
+    HandshakeRequest,
+    Target,
+)
+from app.topology import TopologyError, plan_targets
+
+
+class HandshakesMixin(RegistryBase):
+    # -- handshake ---------------------------------------------------------------------------
+
+    async def handshake(self, engine_id: str, req: HandshakeRequest) -> Handshake:
+        state = await self.resolve(engine_id)
+        engine = state.engine
+        try:
+            plan = plan_targets(engine.tp_size, req.tp_size, req.rank)
+        except TopologyError as exc:
+            raise InvalidRequest(
+                f"decode TP {req.tp_size} cannot pair with prefill TP {engine.tp_size} of "
+                f"engine {engine_id}: {exc}. The larger TP size must be a multiple of the "
+                "smaller.",
+                errors=[{"loc": ["body", "tp_size"], "msg": str(exc), "type": "tp_ratio"}],
+            ) from None
+        found: list[dict[str, Any]] = []
+        if engine.role == "decode":
+            found.append({"field": "role", "remote": "decode", "local": "decode"})
+        if req.compat:
+            found.extend(compat_rules.mismatches(engine.compat, req.compat))
+        if found:
+            fields = ", ".join(
+                f"{m['field']} (prefill {m['remote']!r}, decode {m['local']!r})" for m in found
+            )
+            raise Incompatible(
+                f"engine {engine_id} (group {engine.group_id!r}) cannot serve this decode "
+                f"rank: {fields}. Pair engines built from the same model and KV settings, "
+                "and a prefill-capable role.",
+                mismatches=found,
+            )
+        missing = [r for r in plan.target_ranks if r not in state.agents]
+        by_rank: dict[int, bytes] = {}
+        if not missing:
+            by_rank = await self._blobs(engine.group_id, plan.target_ranks)
+            missing = [r for r in plan.target_ranks if r not in by_rank]
+        if missing:
+            raise NotReady(
+                f"target ranks {sorted(missing)} of engine {engine_id} (group "
+                f"{engine.group_id!r}, generation {engine.generation}) have no live agent: "
+                "they are starting, or died and their lease expired. Retry shortly, or "
+                "wait with GET /tp-groups/{group}/engine?wait_ready=S.",
+                missing_ranks=sorted(missing),
+            )
+        targets = []
+        for r in plan.target_ranks:
+            agent = state.agents[r]
+            targets.append(
+                Target.model_construct(
+                    rank=r,
+                    agent_name=agent.agent_name,
+                    agent_metadata=base64.b64encode(by_rank[r]).decode(),
+                    host=agent.host,
+                    kv=agent.kv,
+                    expires_at=utc_iso(state.expires_at[r]),
+                )
+            )
+        return Handshake.model_construct(
+            engine_id=engine.engine_id,
+            group_id=engine.group_id,
+            generation=engine.generation,
+            remote_tp_size=engine.tp_size,
+            tp_ratio=plan.tp_ratio,
+            targets=targets,
+        )
+
+    async def _blobs(self, gid: str, ranks: list[int]) -> dict[int, bytes]:
+        """The metadata blobs of ``ranks``: a get each for a few, one range read for many
+        (linear in the number of targets either way)."""
+        if len(ranks) == 1:
+            blob = await self.store.get(_blob_key(gid, ranks[0]))
+            return {} if blob is None else {ranks[0]: blob.value}
+        if len(ranks) <= 8:
+            found = await asyncio.gather(*(self.store.get(_blob_key(gid, r)) for r in ranks))
+            return {r: b.value for r, b in zip(ranks, found, strict=True) if b is not None}
+        wanted = set(ranks)
+        by_rank = {}
+        for entry in (await self.store.range(f"blobs/{gid}/")).entries:
+            rank = int(entry.key.rsplit("/", 1)[1])
+            if rank in wanted:
+                by_rank[rank] = entry.value
+        return by_rank

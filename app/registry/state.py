@@ -1,0 +1,86 @@
+"""One consistent read of a group, and its view as the API answers it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.registry.records import (
+    _UNCACHED,
+    AgentRecord,
+    Decoded,
+    EngineRecord,
+    _agent_prefix,
+    _engine_key,
+    utc_iso,
+)
+from app.schemas import (
+    AgentSummary,
+    Engine,
+)
+from app.store import Snapshot
+
+
+@dataclass
+class GroupState:
+    """One consistent read of a group: its engine and live agents."""
+
+    engine: EngineRecord
+    engine_revision: int
+    agents: dict[int, AgentRecord]
+    agent_revisions: dict[int, int]
+    expires_at: dict[int, float]
+    revision: int
+
+    @classmethod
+    def read(cls, snap: Snapshot, gid: str, decoded: Decoded = _UNCACHED) -> GroupState | None:
+        engine: EngineRecord | None = None
+        engine_revision = 0
+        agents: dict[int, AgentRecord] = {}
+        revisions: dict[int, int] = {}
+        expires: dict[int, float] = {}
+        now = snap.read_at
+        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
+        for entry in snap.entries:
+            if entry.key == engine_key:
+                engine = decoded.record(entry, EngineRecord)
+                engine_revision = entry.mod_revision
+            elif entry.key.startswith(agent_prefix):
+                agent = decoded.record(entry, AgentRecord)
+                agents[agent.rank] = agent
+                revisions[agent.rank] = entry.mod_revision
+                remaining = snap.lease_remaining_s.get(agent.lease, float(agent.ttl_s))
+                expires[agent.rank] = now + remaining
+        if engine is None:
+            return None
+        # Agents of an older engine never outlive its supersession, but be strict anyway.
+        live = {r: a for r, a in agents.items() if a.engine_id == engine.engine_id}
+        return cls(engine, engine_revision, live, revisions, expires, snap.revision)
+
+    @property
+    def missing(self) -> list[int]:
+        return [r for r in range(self.engine.tp_size) if r not in self.agents]
+
+    def view(self) -> Engine:
+        e = self.engine
+        return Engine.model_construct(
+            group_id=e.group_id,
+            engine_id=e.engine_id,
+            generation=e.generation,
+            launch_id=e.launch_id,
+            tp_size=e.tp_size,
+            role=e.role,
+            compat=e.compat,
+            created_at=e.created_at,
+            ready=not self.missing,
+            registered_ranks=sorted(r for r in self.agents if r < e.tp_size),
+            missing_ranks=self.missing,
+            agents=[
+                AgentSummary.model_construct(
+                    rank=r,
+                    agent_name=a.agent_name,
+                    host=a.host,
+                    expires_at=utc_iso(self.expires_at[r]),
+                )
+                for r, a in sorted(self.agents.items())
+            ],
+        )
