@@ -37,15 +37,16 @@ types: $(VENV)/.dev
 check: lint types
 
 # Every tier but real vLLM, then real vLLM in its own environment (.venv-vllm).
+# ENGINE_REGISTRY_REQUIRE_ALL=1: a tier that would skip for a missing part fails instead.
 test: $(VENV)/.dev system-deps check
-	$(BIN)/pytest -m "not vllm"
+	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm"
 	$(MAKE) test-vllm
 
 vllm-env:
 	bash scripts/setup-vllm.sh
 
 test-vllm: $(VENV)/.dev vllm-env
-	$(BIN)/pytest tests/vllm -m vllm
+	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest tests/vllm -m vllm
 
 demo: $(VENV)/.dev
 	$(BIN)/engine-registry demo
