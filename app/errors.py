@@ -6,7 +6,6 @@
     ├── Unauthorized          401      unauthorized
     ├── Forbidden             403      forbidden
     ├── NotFound              404      not_found
-    ├── RequestTimeout        408      request_timeout (a body that did not arrive in time)
     ├── PayloadTooLarge       413      payload_too_large
     ├── GroupConflict         409      group_conflict
     ├── LaunchSuperseded      409      launch_superseded (current_generation)
@@ -15,6 +14,10 @@
     ├── EngineSuperseded      410      engine_superseded (current_engine_id, current_generation)
     ├── NotReady              503      not_ready (missing_ranks)
     └── StoreUnavailable      503      store_unavailable
+
+The HTTP server itself (``app/server.py``) answers a few problems before the app sees a
+request: 400 bad_http_request, 408 request_timeout, 431 headers_too_large and 503
+too_many_connections.
 
 Store backends translate their driver's errors at the boundary
 (``raise StoreUnavailable(...) from exc``); nothing backend-specific leaves the store.
@@ -82,12 +85,6 @@ class NotFound(RegistryError):
     status = 404
     code = "not_found"
     title = "Not found"
-
-
-class RequestTimeout(RegistryError):
-    status = 408
-    code = "request_timeout"
-    title = "The request did not arrive in time"
 
 
 class PayloadTooLarge(RegistryError):

@@ -222,6 +222,12 @@ class HeartbeatsRequest(_Request):
     engine_id: Token
     ranks: Annotated[list[Rank], Field(min_length=1, max_length=MAX_BATCH)]
 
+    @model_validator(mode="after")
+    def _distinct(self) -> HeartbeatsRequest:
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError("each rank may appear once in a batch heartbeat")
+        return self
+
 
 class RankExpiry(BaseModel):
     rank: int

@@ -69,14 +69,14 @@ def guarded_protocol(
     class GuardedProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
         _body_timer: asyncio.TimerHandle | None = None
-        _opened = 0.0
+        _active = 0.0  # when the connection last opened or finished an answer
         _header_bytes = 0  # bytes of unfinished heads received
         _head_bytes = 0  # the current head's URL and header fields
         _in_headers = True
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._opened = self.loop.time()
+            self._active = self.loop.time()
             self._arm()
             if len(self.connections) > max_connections:
                 self._make_room()
@@ -93,7 +93,7 @@ def guarded_protocol(
                 if c is not self and isinstance(c, GuardedProtocol) and c._idle()
             ]
             if idle:
-                oldest = min(idle, key=lambda c: c._opened)
+                oldest = min(idle, key=lambda c: c._active)
                 oldest._disarm()
                 oldest.transport.close()
                 return
@@ -202,6 +202,10 @@ def guarded_protocol(
                 self._body_timer = None
             if not self.transport.is_closing():
                 super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            self._active = self.loop.time()
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

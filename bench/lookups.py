@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench.baselines import wrk_rate
 from bench.common import (
     HOST,
     cpu_seconds,
@@ -34,7 +35,6 @@ from bench.common import (
     say,
     wait_http,
 )
-from bench.storm import wrk_rate
 
 TP = 8
 BLOB = 4096

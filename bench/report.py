@@ -74,6 +74,7 @@ def _storm(s: dict[str, Any]) -> list[str]:
     names = {
         "registry_sqlite": "registry, SQLite",
         "registry_sqlite_paced": f"registry, SQLite, launches paced over {s.get('paced_s', 8):g} s",
+        "registry_sqlite_batched": "registry, SQLite, batched routes (a leader per group)",
         "registry_etcd": "registry, etcd",
         "etcd_direct": "etcd direct (aetcd)",
     }
@@ -193,6 +194,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
                  f"{ours['ranks_per_s']:,.0f} vs {base['ranks_per_s']:,.0f} ranks/s",
                  f"ratio {ratio:.2f}", ratio >= 1.0)
             )  # fmt: skip
+    out += _request_path_targets(results)
     h = results.get("handshake", {})
     for r in h.get("rows", []):
         if r["decode_tp"] == 8:
@@ -211,6 +213,85 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
              f"{worst['ratio'] / 0.8:.2f}x of target", worst["ratio"] >= 0.8)
         )  # fmt: skip
     return out
+
+
+def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """Issue 16's goals: the request path at the framework's own cost."""
+    out: list[tuple[str, str, str, bool | None]] = []
+    s = results.get("storm", {})
+    sqlite = s.get("registry_sqlite", {})
+    small, big = sqlite.get("1024"), sqlite.get("4096")
+    if small and big and "failed" not in small and "failed" not in big:
+        ratio = big["ranks_per_s"] / small["ranks_per_s"]
+        out.append(
+            ("4,096 ranks on SQLite: no errors, ranks/s within 10% of 1,024",
+             f"{big['ranks_per_s']:,.0f} vs {small['ranks_per_s']:,.0f} ranks/s, errors "
+             f"{sum(big['errors'].values())}", f"ratio {ratio:.2f}",
+             ratio >= 0.9 and not big["errors"])
+        )  # fmt: skip
+    if small and "failed" not in small and small.get("server_cpu_s"):
+        ms = small["server_cpu_s"] / small["requests"] * 1000
+        out.append(
+            ("server CPU per request ≤ 0.35 ms (storm mix, 1,024 ranks, SQLite)", f"{ms:.2f} ms",
+             f"{0.35 / ms:.2f}x of target", ms <= 0.35)
+        )  # fmt: skip
+    batched = s.get("registry_sqlite_batched", {}).get("1024")
+    if batched and "failed" not in batched:
+        per_group = batched["requests"] / batched["groups"]
+        out.append(
+            ("batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
+             f"{per_group:.1f} per group, ready {batched['ready_s']:.2f} s",
+             f"{0.5 / batched['ready_s']:.2f}x of target",
+             per_group <= 4 and batched["ready_s"] <= 0.5)
+        )  # fmt: skip
+    etcd4k, sqlite4k = s.get("registry_etcd", {}).get("4096"), sqlite.get("4096")
+    if etcd4k is not None:
+        ok = "failed" not in etcd4k and not etcd4k.get("errors")
+        ratio = (
+            etcd4k["ranks_per_s"] / sqlite4k["ranks_per_s"]
+            if ok and sqlite4k and "failed" not in sqlite4k
+            else 0.0
+        )
+        out.append(
+            ("etcd store: 4,096 ranks, 0 errors, ≥ 0.5x the SQLite store's ranks/s",
+             etcd4k.get("failed", f"{etcd4k.get('ranks_per_s', 0):,.0f} ranks/s")[:80],
+             f"ratio {ratio:.2f}", ok and ratio >= 0.5)
+        )  # fmt: skip
+    lookups = results.get("lookups", {})
+    for row in ("get_engine", "handshake", "heartbeat"):
+        r = lookups.get(row)
+        if r:
+            out.append(
+                (f"{row} ≥ 0.7x a minimal FastAPI GET (wrk -c32)",
+                 f"{r['rps']:,.0f} vs {lookups['fastapi_get']['rps']:,.0f} req/s",
+                 f"ratio {r['vs_fastapi_get']:.2f}", r["vs_fastapi_get"] >= 0.7)
+            )  # fmt: skip
+    return out
+
+
+def _lookups(lk: dict[str, Any]) -> list[str]:
+    lines = [
+        f"### Hot routes one at a time (wrk, {lk['wrk_connections']} connections; TP "
+        f"{lk['tp']} group, {lk['blob_bytes']} B blobs)",
+        "",
+        "| server | route | req/s | server CPU ms/req | vs minimal FastAPI GET |",
+        "|---|---|---:|---:|---:|",
+        f"| bare ASGI (client ceiling) | GET /ping | {lk['raw_get']['rps']:,.0f} | "
+        f"{lk['raw_get']['server_cpu_ms']:.3f} | - |",
+        f"| minimal FastAPI | GET /ping | {lk['fastapi_get']['rps']:,.0f} | "
+        f"{lk['fastapi_get']['server_cpu_ms']:.3f} | 1.00 |",
+    ]
+    for row, label in (
+        ("get_engine", "GET /tp-groups/{g}/engine"),
+        ("handshake", "POST /engines/{id}/handshake"),
+        ("heartbeat", "POST …/agents/{rank}/heartbeat"),
+    ):
+        r = lk[row]
+        lines.append(
+            f"| registry | {label} | {r['rps']:,.0f} | {r['server_cpu_ms']:.3f} | "
+            f"{r['vs_fastapi_get']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
@@ -236,6 +317,8 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
     if "storm" in results:
         lines += _storm(results["storm"])
         lines += _ratios(results["storm"])
+    if "lookups" in results:
+        lines += _lookups(results["lookups"])
     if "handshake" in results:
         lines += _handshake(results["handshake"])
     if "transfer" in results:

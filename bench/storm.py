@@ -34,88 +34,45 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import math
 import random
-import re
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from bench.baselines import ceilings, etcd_storm
 from bench.common import (
     HOST,
     cpu_seconds,
-    free_port,
-    process,
     registry_server,
     say,
     summary_ms,
-    wait_http,
+)
+from bench.storm_core import (
+    BLOB_MAX,
+    BLOB_MIN,
+    COMPAT,
+    HEARTBEAT_S,
+    PACED_S,
+    STORM_TIMEOUT_S,
+    TARGET_OPS,
+    TP,
+    TTL_S,
+    Recorder,
+    _groups,
+    blob_sizes,
+    make_blobs,
 )
 
-TP = 8
-HEARTBEAT_S = 10.0
-TTL_S = 30
-BLOB_MIN, BLOB_MAX = 4 * 1024, 256 * 1024
-STORM_TIMEOUT_S = 300.0
-PACED_S = 8.0
-COMPAT: dict[str, Any] = {
-    "model": "llama-3-8b",
-    "dtype": "bfloat16",
-    "kv_cache_dtype": "auto",
-    "block_size": 16,
-    "num_kv_heads": 8,
-    "head_size": 128,
-    "num_layers": 32,
-    "kv_layout": "HND",
-    "attn_backend": "FLASH_ATTN",
-    "nixl_version": "1.5.1",
-}
-# Operations whose latency the p99 target covers (wait_ready is held on purpose).
-TARGET_OPS = ("open", "get_engine", "register", "heartbeat", "handshake")
-
-
-def blob_sizes(n: int, seed: int = 6) -> list[int]:
-    rng = random.Random(seed)
-    lo, hi = math.log(BLOB_MIN), math.log(BLOB_MAX)
-    return [int(math.exp(rng.uniform(lo, hi))) for _ in range(n)]
-
-
-def make_blobs(n: int) -> list[bytes]:
-    """Distinct pseudo-random blobs (a rank-specific header over shared random bytes)."""
-    pool = random.Random(7).randbytes(BLOB_MAX)
-    return [f"rank{i:06d}".encode() + pool[: s - 10] for i, s in enumerate(blob_sizes(n))]
-
-
-@dataclass
-class Recorder:
-    ops: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    requests: int = 0
-
-    async def timed(self, op: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        t = time.perf_counter()
-        result = await call()
-        self.ops[op].append(time.perf_counter() - t)
-        self.requests += 1
-        return result
-
-
-def _groups(ranks: int) -> list[tuple[str, str, int]]:
-    """(group_id, role, pair index) for ranks // TP groups, half prefill, half decode."""
-    pairs = ranks // TP // 2
-    return [(f"prefill-{i}", "prefill", i) for i in range(pairs)] + [
-        (f"decode-{i}", "decode", i) for i in range(pairs)
-    ]
+__all__ = ["BLOB_MAX", "BLOB_MIN", "COMPAT", "HEARTBEAT_S", "PACED_S", "STORM_TIMEOUT_S",
+           "TARGET_OPS", "TP", "TTL_S", "HttpStorm", "Recorder", "blob_sizes", "http_storm",
+           "make_blobs", "run"]  # fmt: skip
 
 
 # -- the registry over HTTP ----------------------------------------------------------------------
@@ -318,208 +275,6 @@ def http_storm(
     return result | ({"spread_s": spread_s} if spread_s else {})
 
 
-# -- etcd direct ---------------------------------------------------------------------------------
-
-
-class EtcdStorm:
-    def __init__(self, endpoint: str, ranks: int, prefix: str) -> None:
-        self.host, port = endpoint.rsplit(":", 1)
-        self.port = int(port)
-        self.prefix = prefix
-        self.groups = _groups(ranks)
-        self.ranks = len(self.groups) * TP
-        self.rec = Recorder()
-        self.blobs = make_blobs(self.ranks)
-        self.opened: dict[str, asyncio.Future[str]] = {}
-        self.complete: dict[str, asyncio.Event] = {}
-        self.registered: dict[str, int] = defaultdict(int)
-        self.ready_at: dict[str, float] = {}
-        self.handshake_done: list[float] = []
-        self.stop = asyncio.Event()
-        self.heartbeats: list[asyncio.Task[None]] = []
-        self.t0 = 0.0
-
-    def _key(self, *parts: object) -> bytes:
-        return "/".join([self.prefix, *map(str, parts)]).encode()
-
-    async def _heartbeat(self, c: Any, lease: Any, phase: float) -> None:
-        delay = phase
-        for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
-            try:
-                await asyncio.wait_for(self.stop.wait(), delay)
-                return
-            except TimeoutError:
-                pass
-            await self.rec.timed("heartbeat", lambda: c.refresh_lease(lease.id))
-            delay = HEARTBEAT_S
-
-    async def _rank(self, c: Any, index: int, gid: str, role: str, pair: int, rank: int) -> None:
-        if rank == 0:
-            eid = str(uuid.uuid4())
-            await self.rec.timed("open", lambda: c.put(self._key(gid, "engine"), eid.encode()))
-            self.opened[gid].set_result(eid)
-        else:
-            eid = await self.opened[gid]
-            got = await self.rec.timed("get_engine", lambda: c.get(self._key(gid, "engine")))
-            if got is None or got.value.decode() != eid:
-                raise RuntimeError(f"etcd fetch {gid}/{rank}: {got}")
-        lease = await self.rec.timed("lease_grant", lambda: c.lease(TTL_S))
-        key = self._key(gid, "agents", rank)
-        await self.rec.timed("register", lambda: c.put(key, self.blobs[index], lease=lease))
-        self.registered[gid] += 1
-        if self.registered[gid] == TP:
-            self.ready_at[gid] = time.perf_counter() - self.t0
-            self.complete[gid].set()
-        phase = random.Random(index).uniform(0, HEARTBEAT_S)
-        self.heartbeats.append(asyncio.create_task(self._heartbeat(c, lease, phase)))
-        if role != "decode":
-            return
-        prefill = f"prefill-{pair}"
-        await self.complete[prefill].wait()
-        got = await self.rec.timed("handshake", lambda: c.get(self._key(prefill, "agents", rank)))
-        if got is None:
-            raise RuntimeError(f"etcd handshake {gid}/{rank}: no blob")
-        self.handshake_done.append(time.perf_counter() - self.t0)
-
-    async def run(self) -> dict[str, Any]:
-        import aetcd
-
-        loop = asyncio.get_running_loop()
-        self.opened = {gid: loop.create_future() for gid, _, _ in self.groups}
-        self.complete = {gid: asyncio.Event() for gid, _, _ in self.groups}
-        async with aetcd.Client(host=self.host, port=self.port, timeout=60) as c:
-            await c.get(self._key("warmup"))
-            jobs = [
-                (gid, role, pair, rank) for gid, role, pair in self.groups for rank in range(TP)
-            ]
-            random.Random(1).shuffle(jobs)
-            self.t0 = time.perf_counter()
-            tasks = [self._rank(c, i, *job) for i, job in enumerate(jobs)]
-            try:
-                await asyncio.wait_for(asyncio.gather(*tasks), STORM_TIMEOUT_S)
-            finally:
-                done = time.perf_counter() - self.t0
-                self.stop.set()
-                await asyncio.gather(*self.heartbeats, return_exceptions=True)
-        ready = max(self.ready_at.values())
-        return {
-            "ranks": self.ranks,
-            "groups": len(self.groups),
-            "ready_s": round(ready, 3),
-            "ranks_per_s": round(self.ranks / ready, 1),
-            "handshakes_done_s": round(max(self.handshake_done), 3),
-            "total_s": round(done, 3),
-            "requests": self.rec.requests,
-            "requests_per_s": round(self.rec.requests / done, 1),
-            "ops": {op: summary_ms(v) for op, v in self.rec.ops.items()},
-            "target_ops_p99_ms": max(
-                summary_ms(self.rec.ops[op])["p99_ms"] for op in TARGET_OPS if self.rec.ops[op]
-            ),
-            "errors": dict(self.rec.errors),
-        }
-
-
-def etcd_storm(endpoint: str, ranks: int) -> dict[str, Any]:
-    return asyncio.run(EtcdStorm(endpoint, ranks, f"/bench-{uuid.uuid4().hex[:8]}").run())
-
-
-# -- ceilings ------------------------------------------------------------------------------------
-
-
-async def _closed_loop(
-    url: str, method: str, body: str | None, concurrency: int, seconds: float
-) -> dict[str, Any]:
-    latencies: list[float] = []
-    headers = {"content-type": "application/json"} if body else None
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as s:
-        end = time.perf_counter() + seconds
-
-        async def worker() -> None:
-            for _ in range(10_000_000):
-                if time.perf_counter() >= end:
-                    return
-                t = time.perf_counter()
-                async with s.request(method, url, data=body, headers=headers) as r:
-                    await r.read()
-                    if r.status >= 400:
-                        raise RuntimeError(f"{method} {url}: {r.status}")
-                latencies.append(time.perf_counter() - t)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-    return {"requests_per_s": round(len(latencies) / elapsed, 1), **summary_ms(latencies)}
-
-
-def aiohttp_rate(
-    url: str,
-    method: str = "GET",
-    body: str | None = None,
-    concurrency: int = 64,
-    seconds: float = 3,
-) -> dict[str, Any]:
-    return asyncio.run(_closed_loop(url, method, body, concurrency, seconds))
-
-
-def wrk_rate(url: str, seconds: int, connections: int = 64, script: str | None = None) -> float:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency"]
-    if script:
-        cmd += ["-s", script]
-    out = subprocess.run(
-        [*cmd, url], capture_output=True, text=True, timeout=seconds + 30, check=True
-    ).stdout
-    found = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    if found is None:
-        raise RuntimeError(f"wrk printed no rate: {out}")
-    return float(found.group(1))
-
-
-def _register_body() -> str:
-    # The storm's median blob (log-uniform 4-256 KiB: about 32 KiB).
-    blobs = sorted(make_blobs(101), key=len)
-    blob = base64.b64encode(blobs[50]).decode()
-    return json.dumps(
-        {
-            "engine_id": "e", "agent_name": "a", "agent_metadata": blob, "host": HOST,
-            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
-                   "block_len": 1},
-        }
-    )  # fmt: skip
-
-
-def ceilings(quick: bool) -> dict[str, Any]:
-    seconds = 2 if quick else 5
-    out: dict[str, Any] = {}
-    body = _register_body()
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "put.lua"
-        script.write_text(
-            'wrk.method = "PUT"\nwrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = {json.dumps(body)}\n"
-        )
-        for kind in ("raw", "fastapi"):
-            port = free_port()
-            cmd = [sys.executable, "-m", "bench.minimal", kind, str(port)]
-            with process(cmd) as proc:
-                base = f"http://{HOST}:{port}"
-                wait_http(f"{base}/ping", 30.0, proc)
-                say(f"  ceiling: {kind} server, GET, aiohttp and wrk")
-                row: dict[str, Any] = {
-                    "get_aiohttp": aiohttp_rate(f"{base}/ping", seconds=seconds),
-                    "get_wrk_rps": wrk_rate(f"{base}/ping", seconds),
-                }
-                if kind == "fastapi":
-                    say("  ceiling: fastapi server, PUT of an agent-sized body")
-                    row["put_aiohttp"] = aiohttp_rate(
-                        f"{base}/agents/1", "PUT", body, seconds=seconds
-                    )
-                    row["put_wrk_rps"] = wrk_rate(f"{base}/agents/1", seconds, script=str(script))
-                out[kind] = row
-    out["put_body_kib"] = round(len(body) / 1024, 1)
-    return out
-
-
 # -- the whole question --------------------------------------------------------------------------
 
 
@@ -576,6 +331,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "paced_s": PACED_S,
         "registry_sqlite": {},
         "registry_sqlite_paced": {},
+        "registry_sqlite_batched": {},
         "registry_etcd": {},
         "etcd_direct": {},
         "notes": [],
@@ -587,6 +343,16 @@ def run(quick: bool = False) -> dict[str, Any]:
             store = f"sqlite:///{tmp}/storm-{n}.db"
             with registry_server(store, log=tmp / f"registry-sqlite-{n}.log") as url:
                 results["registry_sqlite"][str(n)] = _guarded(partial(http_storm, url, n))
+        # The batched routes: a group's leader registers and renews all its ranks at once.
+        from bench.storm_batched import batched_storm
+
+        for n in sizes[-2:] if not quick else sizes:
+            say(f"  registry on SQLite, {n} ranks, batched routes")
+            store = f"sqlite:///{tmp}/batched-{n}.db"
+            with registry_server(store, log=tmp / f"registry-batched-{n}.log") as url:
+                results["registry_sqlite_batched"][str(n)] = _guarded(
+                    partial(batched_storm, url, n)
+                )
         # The same load arriving over PACED_S instead of at once: latency without the queue.
         if not quick:
             say(f"  registry on SQLite, 1024 ranks launching evenly over {PACED_S:g} s")

@@ -54,13 +54,15 @@ class _Fallback(Exception):
 
 
 def _rank(text: str) -> int:
-    if not text.isdigit() or len(text) > 6 or int(text) >= MAX_TP_SIZE:
+    # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits,
+    # which FastAPI refuses (422).
+    if not (text.isascii() and text.isdigit()) or len(text) > 6 or int(text) >= MAX_TP_SIZE:
         raise _Fallback
     return int(text)
 
 
 def _group(text: str) -> str:
-    if _GROUP.match(text) is None:
+    if _GROUP.fullmatch(text) is None:  # match() would let a final "\n" through "$"
         raise _Fallback
     return text
 

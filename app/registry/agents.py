@@ -98,15 +98,20 @@ class AgentsMixin(RegistryBase):
         return Heartbeat.model_construct(expires_at=utc_iso(time.time() + lease.remaining_s))
 
     async def deregister(self, gid: str, rank: int, engine_id: str) -> None:
-        state = await self._current(gid, rank, engine_id)
-        agent = state.agents.get(rank)
-        if agent is None:
-            raise self._absent(gid, rank)
-        await self.store.txn(
-            [Compare(_agent_key(gid, rank), state.agent_revisions[rank])],
-            [Delete(_agent_key(gid, rank)), Delete(_blob_key(gid, rank))],
-        )
-        await self.release_leases(state, {rank})
+        for _ in range(MAX_ATTEMPTS):
+            state = await self._current(gid, rank, engine_id)
+            agent = state.agents.get(rank)
+            if agent is None:
+                raise self._absent(gid, rank)
+            result = await self.store.txn(
+                [Compare(_agent_key(gid, rank), state.agent_revisions[rank])],
+                [Delete(_agent_key(gid, rank)), Delete(_blob_key(gid, rank))],
+            )
+            if result.succeeded:
+                await self.release_leases(state, {rank})
+                return
+            # The rank was registered again meanwhile: deregister what is there now.
+        raise StoreUnavailable(f"Deregistering rank {rank} of {gid!r} lost too many races.")
 
 
 def _check_reachable(host: str, client_host: str | None) -> None:

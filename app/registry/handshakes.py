@@ -65,7 +65,7 @@ class HandshakesMixin(RegistryBase):
                 f"target ranks {sorted(missing)} of engine {engine_id} (group "
                 f"{engine.group_id!r}, generation {engine.generation}) have no live agent: "
                 "they are starting, or died and their lease expired. Retry shortly, or "
-                "wait with GET /tp-groups/{group}/engine?wait_ready=S.",
+                f"wait with GET /tp-groups/{engine.group_id}/engine?wait_ready=S.",
                 missing_ranks=sorted(missing),
             )
         targets = []

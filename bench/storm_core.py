@@ -1,0 +1,67 @@
+"""The launch storm's shape, shared by the registry storms and the baselines: TP size, blob
+sizes, heartbeat interval, the groups, and the per-operation recorder."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TP = 8
+HEARTBEAT_S = 10.0
+TTL_S = 30
+BLOB_MIN, BLOB_MAX = 4 * 1024, 256 * 1024
+STORM_TIMEOUT_S = 300.0
+PACED_S = 8.0
+COMPAT: dict[str, Any] = {
+    "model": "llama-3-8b",
+    "dtype": "bfloat16",
+    "kv_cache_dtype": "auto",
+    "block_size": 16,
+    "num_kv_heads": 8,
+    "head_size": 128,
+    "num_layers": 32,
+    "kv_layout": "HND",
+    "attn_backend": "FLASH_ATTN",
+    "nixl_version": "1.5.1",
+}
+# Operations whose latency the p99 target covers (wait_ready is held on purpose).
+TARGET_OPS = ("open", "get_engine", "register", "heartbeat", "handshake")
+
+
+def blob_sizes(n: int, seed: int = 6) -> list[int]:
+    rng = random.Random(seed)
+    lo, hi = math.log(BLOB_MIN), math.log(BLOB_MAX)
+    return [int(math.exp(rng.uniform(lo, hi))) for _ in range(n)]
+
+
+def make_blobs(n: int) -> list[bytes]:
+    """Distinct pseudo-random blobs (a rank-specific header over shared random bytes)."""
+    pool = random.Random(7).randbytes(BLOB_MAX)
+    return [f"rank{i:06d}".encode() + pool[: s - 10] for i, s in enumerate(blob_sizes(n))]
+
+
+@dataclass
+class Recorder:
+    ops: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requests: int = 0
+
+    async def timed(self, op: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        t = time.perf_counter()
+        result = await call()
+        self.ops[op].append(time.perf_counter() - t)
+        self.requests += 1
+        return result
+
+
+def _groups(ranks: int) -> list[tuple[str, str, int]]:
+    """(group_id, role, pair index) for ranks // TP groups, half prefill, half decode."""
+    pairs = ranks // TP // 2
+    return [(f"prefill-{i}", "prefill", i) for i in range(pairs)] + [
+        (f"decode-{i}", "decode", i) for i in range(pairs)
+    ]
