@@ -361,6 +361,9 @@ def test_api_reference_has_a_row_for_every_error_code_with_its_status() -> None:
             problems.append(f"`{code}` ({status}, {where}): no row in the error table")
         elif row[1] != str(status):
             problems.append(f"`{code}` ({where}): the table says {row[1]}, the code {status}")
-    for code in sorted(http_problem_codes() - rows.keys()):
+    http_codes = http_problem_codes()
+    for code in sorted(http_codes - rows.keys()):
         problems.append(f"`{code}` (app/main.py HttpProblem): no row in the error table")
+    for code in sorted(rows.keys() - codes.keys() - http_codes):
+        problems.append(f"`{code}` is in the error table but no code answers it")
     assert not problems, f"{rel(API_MD)} error table vs the code:\n" + "\n".join(problems)
