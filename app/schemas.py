@@ -78,6 +78,18 @@ def parse_host(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | No
         raise ValueError(f"host {value!r} is neither an IP address nor a DNS name") from None
 
 
+class Base64Text(str):
+    """Base64 text as the client sent it, with the bytes it stands for: decoded once, strictly,
+    by the validator (decoding a 256 KiB blob costs as much as the rest of a registration)."""
+
+    data: bytes
+
+
+def blob_of(text: str) -> bytes:
+    """The bytes of a validated ``agent_metadata``."""
+    return text.data if isinstance(text, Base64Text) else binascii.a2b_base64(text)
+
+
 class RegisterAgentRequest(_Request):
     engine_id: Token
     agent_name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -89,11 +101,12 @@ class RegisterAgentRequest(_Request):
     @field_validator("agent_metadata")
     @classmethod
     def _base64(cls, value: str) -> str:
+        text = Base64Text(value)
         try:
-            binascii.a2b_base64(value, strict_mode=True)
+            text.data = binascii.a2b_base64(value, strict_mode=True)
         except binascii.Error as exc:
             raise ValueError(f"agent_metadata is not valid base64 ({exc})") from None
-        return value
+        return text
 
     @field_validator("host")
     @classmethod

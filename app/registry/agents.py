@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import time
 
 from app.errors import (
@@ -23,6 +22,7 @@ from app.schemas import (
     Agent,
     Heartbeat,
     RegisterAgentRequest,
+    blob_of,
     parse_host,
 )
 from app.store import Compare, Delete, Put
@@ -35,7 +35,7 @@ class AgentsMixin(RegistryBase):
         self, gid: str, rank: int, req: RegisterAgentRequest, client_host: str | None
     ) -> tuple[Agent, bool]:
         _check_reachable(req.host, client_host)
-        blob = base64.b64decode(req.agent_metadata)
+        blob = blob_of(req.agent_metadata)
         for _ in range(MAX_ATTEMPTS):
             state = await self._current(gid, rank, req.engine_id)
             old = state.agents.get(rank)

@@ -8,7 +8,6 @@ routes stay for ranks that publish on their own.
 
 from __future__ import annotations
 
-import base64
 import time
 
 from app.errors import InvalidRequest, StoreUnavailable
@@ -22,7 +21,7 @@ from app.registry.records import (
     _engine_key,
     utc_iso,
 )
-from app.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest
+from app.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest, blob_of
 from app.store import Compare, Put
 
 
@@ -32,7 +31,7 @@ class BatchesMixin(AgentsMixin):
     ) -> Agents:
         for item in req.agents:
             _check_reachable(item.host, client_host)
-        blobs = [base64.b64decode(item.agent_metadata) for item in req.agents]
+        blobs = [blob_of(item.agent_metadata) for item in req.agents]
         ttl_s = req.agents[0].ttl_s
         for _ in range(MAX_ATTEMPTS):
             state = await self._group(gid)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 from typing import Any
 
 from app import compat as compat_rules
@@ -22,6 +21,7 @@ from app.schemas import (
     HandshakeRequest,
     Target,
 )
+from app.store import Entry
 from app.topology import TopologyError, plan_targets
 
 
@@ -56,7 +56,7 @@ class HandshakesMixin(RegistryBase):
                 mismatches=found,
             )
         missing = [r for r in plan.target_ranks if r not in state.agents]
-        by_rank: dict[int, bytes] = {}
+        by_rank: dict[int, Entry] = {}
         if not missing:
             by_rank = await self._blobs(engine.group_id, plan.target_ranks)
             missing = [r for r in plan.target_ranks if r not in by_rank]
@@ -75,7 +75,7 @@ class HandshakesMixin(RegistryBase):
                 Target.model_construct(
                     rank=r,
                     agent_name=agent.agent_name,
-                    agent_metadata=base64.b64encode(by_rank[r]).decode(),
+                    agent_metadata=self.decoded.base64(by_rank[r]),
                     host=agent.host,
                     kv=agent.kv,
                     expires_at=utc_iso(state.expires_at[r]),
@@ -90,19 +90,19 @@ class HandshakesMixin(RegistryBase):
             targets=targets,
         )
 
-    async def _blobs(self, gid: str, ranks: list[int]) -> dict[int, bytes]:
+    async def _blobs(self, gid: str, ranks: list[int]) -> dict[int, Entry]:
         """The metadata blobs of ``ranks``: a get each for a few, one range read for many
         (linear in the number of targets either way)."""
         if len(ranks) == 1:
             blob = await self.store.get(_blob_key(gid, ranks[0]))
-            return {} if blob is None else {ranks[0]: blob.value}
+            return {} if blob is None else {ranks[0]: blob}
         if len(ranks) <= 8:
             found = await asyncio.gather(*(self.store.get(_blob_key(gid, r)) for r in ranks))
-            return {r: b.value for r, b in zip(ranks, found, strict=True) if b is not None}
+            return {r: b for r, b in zip(ranks, found, strict=True) if b is not None}
         wanted = set(ranks)
         by_rank = {}
         for entry in (await self.store.range(f"blobs/{gid}/")).entries:
             rank = int(entry.key.rsplit("/", 1)[1])
             if rank in wanted:
-                by_rank[rank] = entry.value
+                by_rank[rank] = entry
         return by_rank

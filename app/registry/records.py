@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -91,6 +92,18 @@ class Decoded:
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[int, BaseModel]] = {}
+        self._texts: dict[str, tuple[int, str]] = {}
+
+    def base64(self, entry: Entry) -> str:
+        """A blob's base64 text, encoded once per version (every handshake sends it)."""
+        hit = self._texts.get(entry.key)
+        if hit is not None and hit[0] == entry.mod_revision:
+            return hit[1]
+        text = base64.b64encode(entry.value).decode("ascii")
+        if len(self._texts) >= self.LIMIT:
+            self._texts.clear()
+        self._texts[entry.key] = (entry.mod_revision, text)
+        return text
 
     def record(self, entry: Entry, kind: type[R]) -> R:
         hit = self._cache.get(entry.key)
