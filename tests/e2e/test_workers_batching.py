@@ -124,6 +124,27 @@ def test_a_superseded_node_leader_stops_its_followers_too(
     assert "its node's leader, rank 0, was told so" in log
 
 
+def test_a_node_whose_ranks_cannot_publish_fails_the_whole_group_and_nothing_stays_registered(
+    tmp_path: Path, registry_url: str
+) -> None:
+    prefill = start_group(
+        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=4, nodes=2,
+        args=["--serve-s", "30"], env=[{}, {"WORKERS_ADVERTISE_HOST": "0.0.0.0"}],
+    )  # fmt: skip
+    with launched(prefill):
+        codes = wait_all(prefill, 120)
+    assert all(code != 0 for code in codes), logs(prefill)
+    found = reports(tmp_path, "prefill", "pf")
+    assert [r["status"] for r in found] == ["refused"] * 4, logs(prefill)
+    for r in found:
+        assert r["causes"] == {"2": "publish_failed", "3": "publish_failed"}
+        assert "unspecified address 0.0.0.0" in r["error"]
+    with httpx.Client(base_url=registry_url, timeout=10) as http:
+        engine = http.get("/tp-groups/pf/engine").json()
+    assert requests_by_route(registry_url)["batch PUT"] == 1, "node 0 registered its ranks"
+    assert engine["registered_ranks"] == [], "... and deregistered them when the group failed"
+
+
 def test_a_batch_publication_renews_registers_again_after_404_and_stops_on_409(
     registry_url: str,
 ) -> None:
