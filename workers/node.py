@@ -54,11 +54,11 @@ class RankPublication(Protocol):
 
 
 def verdict_of(exc: Exception) -> tuple[str, str]:
+    """A publication failure as an agreed verdict's (cause, detail)."""
     if isinstance(exc, EngineIdMismatch):
         return f"registry_refused:{exc.cause}", exc.detail or str(exc)
     if isinstance(exc, RegistryError):
         return "registry_refused", str(exc)
-    """A publication failure as an agreed verdict's (cause, detail)."""
     log.error("publishing the agent failed", exc_info=exc)
     return "publish_failed", repr(exc)
 
@@ -84,7 +84,11 @@ class LocalFailure:
 
 
 def node_groups(node: int, *, cpu_group: Any, timeout_s: float) -> NodeGroup:
-    """This rank's node subgroup (collective over the world: every rank calls it)."""
+    """This rank's node subgroup (collective over the world: every rank calls it).
+
+    `cpu_group` spans the world (the TP group is the world under the entrypoints), so its
+    ranks are global ranks, as `gather_object`'s `dst` wants them.
+    """
     nodes: list[Any] = [None] * dist.get_world_size(cpu_group)
     dist.all_gather_object(nodes, node, group=cpu_group)
     by_node: dict[int, list[int]] = {}
