@@ -24,7 +24,17 @@ from typing import Any
 import httpx
 
 from workers.errors import ProblemError, RegistryUnavailable, problem_class
-from workers.models import AgentRecord, Compat, Engine, Handshake, KvSpec, Role
+from workers.models import (
+    AgentItem,
+    AgentRecord,
+    BatchRegistration,
+    Compat,
+    Engine,
+    Handshake,
+    KvSpec,
+    RankExpiry,
+    Role,
+)
 
 DEFAULT_TIMEOUT_S = 10.0
 # Extra time granted to an attempt that asked the server to hold the answer (wait_ready).
@@ -252,6 +262,45 @@ class RegistryClient:
             timeout_s=timeout_s,
         )
         return str(r.json().get("expires_at", ""))
+
+    def register_agents(
+        self,
+        group_id: str,
+        agents: Sequence[AgentItem],
+        *,
+        ttl_s: int | None = None,
+        timeout_s: float | None = None,
+    ) -> BatchRegistration:
+        """Publish several ranks' agents in one request and one transaction, on one shared
+        lease: all or none. A refusal names the first bad rank (`EngineIdMismatch.rank`,
+        or the `loc` of an `InvalidRequest` error)."""
+        if not agents:
+            raise ValueError("a batch registration needs at least one agent")
+        body = {"agents": [agent.to_json(ttl_s) for agent in agents]}
+        r = self.request(
+            "PUT", f"/tp-groups/{group_id}/engine/agents", json=body, timeout_s=timeout_s
+        )
+        return BatchRegistration.from_json(r.json())
+
+    def heartbeat_agents(
+        self,
+        group_id: str,
+        *,
+        engine_id: str,
+        ranks: Sequence[int],
+        timeout_s: float | None = None,
+    ) -> list[RankExpiry]:
+        """Renew the leases of `ranks` in one request; `NotFound` names the first rank with
+        no live agent (register it again), `EngineIdMismatch` a superseded engine."""
+        if not ranks:
+            raise ValueError("a batch heartbeat needs at least one rank")
+        r = self.request(
+            "POST",
+            f"/tp-groups/{group_id}/engine/agents/heartbeat",
+            json={"engine_id": engine_id, "ranks": list(ranks)},
+            timeout_s=timeout_s,
+        )
+        return [RankExpiry.from_json(a) for a in r.json()["agents"]]
 
     def deregister_agent(
         self, group_id: str, rank: int, *, engine_id: str, timeout_s: float | None = None

@@ -1,7 +1,8 @@
-"""A rank's NIXL endpoint: its agent, its registered KV memory, and its registry publication.
+"""A rank's NIXL endpoint: its agent, its registered KV memory, and where peers reach it.
 
-Data path (`NixlEndpoint`) and control path (`Publication`) are separate objects, as in vLLM's
-connector: the first never talks HTTP, the second never touches NIXL.
+Data path (`NixlEndpoint`) and control path (`Publication`, in `workers.publication`, kept
+importable from here) are separate objects, as in vLLM's connector: the first never talks
+HTTP, the second never touches NIXL.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -22,17 +22,21 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from workers.client import RegistryClient
-from workers.errors import (
-    EngineIdMismatch,
-    NotFound,
-    RegistryError,
-    TransferError,
-)
-from workers.identity import EngineIdentity
-from workers.models import KvSpec, Target
+from workers.errors import TransferError
+from workers.models import Target
+from workers.publication import BatchPublication, Publication
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "BatchPublication",
+    "NixlEndpoint",
+    "Publication",
+    "RemoteRead",
+    "advertise_host",
+    "check_host_for_group",
+    "stop_on_signals",
+]
 
 ADVERTISE_HOST_ENV = "WORKERS_ADVERTISE_HOST"
 
@@ -191,121 +195,6 @@ def check_host_for_group(host: str, hostnames: list[str]) -> None:
             f"advertised host {host} is loopback but the group spans hosts "
             f"{sorted(set(hostnames))}; set {ADVERTISE_HOST_ENV}"
         )
-
-
-class Publication:
-    """A rank's agent registration, kept alive by a background heartbeat.
-
-    The heartbeat runs every `ttl_s * fraction` seconds. After a 404 (the lease expired, say
-    after a registry outage) it registers again; after a 409 (a newer launch superseded this
-    engine) it stops, logs loudly, sets `superseded` and calls `on_superseded`: a rank of an
-    old launch must not keep serving under an id the registry no longer vouches for.
-    """
-
-    def __init__(
-        self,
-        make_client: Callable[[], RegistryClient],
-        identity: EngineIdentity,
-        rank: int,
-        *,
-        agent_name: str,
-        metadata: bytes,
-        host: str,
-        kv: KvSpec,
-        ttl_s: int = 30,
-        fraction: float = 1 / 3,
-        on_superseded: Callable[[EngineIdMismatch], None] | None = None,
-    ) -> None:
-        self._client = make_client()
-        self._hb_client = make_client()  # one httpx client per thread
-        self.identity = identity
-        self.rank = rank
-        self.agent_name = agent_name
-        self._metadata = metadata
-        self.host = host
-        self.kv = kv
-        self.ttl_s = ttl_s
-        self.interval_s = max(0.2, ttl_s * fraction)
-        self.on_superseded = on_superseded
-        self.superseded = threading.Event()
-        self.reregistrations = 0
-        self.published = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def publish(self, client: RegistryClient | None = None) -> bool:
-        """PUT the agent; True when the rank had no live agent. Raises the registry's error."""
-        _, created = (client or self._client).register_agent(
-            self.identity.group_id,
-            self.rank,
-            engine_id=self.identity.engine_id,
-            agent_name=self.agent_name,
-            agent_metadata=self._metadata,
-            host=self.host,
-            kv=self.kv,
-            ttl_s=self.ttl_s,
-        )
-        self.published = True
-        return created
-
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name=f"heartbeat-rank{self.rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        client = self._hb_client
-        while not self._stop.wait(self.interval_s):
-            try:
-                client.heartbeat(
-                    self.identity.group_id,
-                    self.rank,
-                    engine_id=self.identity.engine_id,
-                    timeout_s=self.interval_s,
-                )
-            except NotFound:
-                log.warning("rank %d: agent lease gone (404); registering again", self.rank)
-                try:
-                    self.publish(client)
-                    self.reregistrations += 1
-                except RegistryError as exc:
-                    log.warning("rank %d: re-registration failed: %s", self.rank, exc)
-            except EngineIdMismatch as exc:
-                log.error(
-                    "RANK %d OF ENGINE %s IS SUPERSEDED (%s): a newer launch of group %s owns "
-                    "it now. Heartbeats stop; this rank must shut down.",
-                    self.rank,
-                    self.identity.engine_id,
-                    exc.detail,
-                    self.identity.group_id,
-                )
-                self.superseded.set()
-                if self.on_superseded is not None:
-                    self.on_superseded(exc)
-                return
-            except RegistryError as exc:
-                # Keep trying: a registry outage shorter than the lease costs nothing.
-                log.warning("rank %d: heartbeat failed: %s", self.rank, exc)
-
-    def close(self, *, deregister: bool = True) -> None:
-        """Stop the heartbeat and (unless superseded) deregister. Idempotent, bounded."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.interval_s + 5)
-            self._thread = None
-        if deregister and self.published and not self.superseded.is_set():
-            try:
-                self._client.deregister_agent(
-                    self.identity.group_id,
-                    self.rank,
-                    engine_id=self.identity.engine_id,
-                    timeout_s=5,
-                )
-            except RegistryError as exc:
-                log.warning("rank %d: deregistration failed: %s", self.rank, exc)
-        self._client.close()
-        self._hb_client.close()
 
 
 def stop_on_signals(

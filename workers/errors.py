@@ -107,6 +107,12 @@ class EngineIdMismatch(ProblemError):
         return str(self.problem.get("cause", "unknown"))
 
     @property
+    def rank(self) -> int | None:
+        """The rank refused (a batch names the first bad one)."""
+        value = self.problem.get("rank")
+        return int(value) if isinstance(value, int) else None
+
+    @property
     def expected_engine_id(self) -> str | None:
         value = self.problem.get("expected_engine_id")
         return str(value) if value is not None else None

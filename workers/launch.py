@@ -34,7 +34,7 @@ from workers.endpoint import (
     check_host_for_group,
     stop_on_signals,
 )
-from workers.errors import EngineIdentityError, EngineIdMismatch, ProblemError, RegistryError
+from workers.errors import EngineIdentityError, EngineIdMismatch
 from workers.identity import (
     EngineIdentity,
     agree,
@@ -43,7 +43,8 @@ from workers.identity import (
     sync_engine_id,
 )
 from workers.kv import KvLayout
-from workers.models import KvSpec, Role
+from workers.models import AgentItem, KvSpec, Role
+from workers.node import RankPublication, publish_per_node, verdict_of
 
 EXIT_OK, EXIT_ERROR, EXIT_IDENTITY, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TRANSFER = range(6)
 
@@ -58,6 +59,18 @@ def _token_from_file(path: str | None) -> str | None:
         return Path(path).read_text().strip().splitlines()[0].strip() or None
     except (OSError, IndexError) as exc:
         raise SystemExit(f"cannot read WORKERS_REGISTRY_TOKEN_FILE {path}: {exc}") from None
+
+
+PUBLISH_MODES = ("per-node", "per-rank")
+
+
+def _publish_mode(value: str) -> str:
+    if value not in PUBLISH_MODES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a publication mode: use one of {', '.join(PUBLISH_MODES)} "
+            "(--publish or $WORKERS_PUBLISH)"
+        )
+    return value
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +114,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--allow-fallback",
         action="store_true",
         help="if the registry is unreachable, use rank 0's own id (loudly logged)",
+    )
+    parser.add_argument(
+        "--publish",
+        type=_publish_mode,
+        default=env("WORKERS_PUBLISH", "per-node"),
+        help="per-node (default): each node's first rank registers the node's agents in one "
+        "request and renews them with one heartbeat; per-rank: every rank publishes its own "
+        "($WORKERS_PUBLISH)",
     )
     parser.add_argument("--advertise-host", default=None)
     parser.add_argument("--report-dir", default=None, help="write one JSON report per rank")
@@ -244,6 +265,17 @@ def establish_identity(
     return EngineIdentity(args.group_id, mine, 0, client.url, "", "local")
 
 
+def _not_published(identity: EngineIdentity) -> bool:
+    if identity.source != "fallback":
+        return False
+    log.warning(
+        "NOT PUBLISHED: engine %s is rank 0's fallback id, unknown to any registry; "
+        "decode instances cannot find this rank through the registry",
+        identity.engine_id,
+    )
+    return True
+
+
 def publish(
     args: argparse.Namespace,
     client: RegistryClient,
@@ -252,13 +284,34 @@ def publish(
     endpoint: NixlEndpoint,
     kv: KvSpec,
     on_superseded: Callable[[EngineIdMismatch], None],
-) -> Publication:
-    """Publish this rank's agent; all ranks agree on the outcome before anyone serves.
+    *,
+    linger_s: float = 0.0,
+) -> RankPublication:
+    """Publish this rank's agent (`args.publish`: per rank, or by its node's leader); all
+    ranks agree on the outcome before anyone serves.
 
     Every failure on one rank becomes its verdict, so the others never wait for it alone.
+    `linger_s`: how long a node's leader keeps its followers' leases after it is done itself.
     """
     hostnames: list[Any] = [None] * info.world
     dist.all_gather_object(hostnames, info.hostname, group=info.cpu_group)
+    wanted = not _not_published(identity)
+    what = f"agent registration for {args.group_id!r}"
+    if args.publish == "per-node":
+
+        def describe() -> AgentItem:
+            host = advertise_host(client.url, args.advertise_host)
+            check_host_for_group(host, [str(h) for h in hostnames])
+            return AgentItem(
+                info.rank, identity.engine_id, endpoint.name, endpoint.metadata(), host, kv
+            )
+
+        return publish_per_node(
+            client_factory(args), identity, describe, node=info.node_rank,
+            cpu_group=info.cpu_group, collective_timeout_s=args.collective_timeout_s,
+            ttl_s=args.ttl_s, linger_s=linger_s, wanted=wanted, what=what,
+            on_superseded=on_superseded,
+        )  # fmt: skip
     publication: Publication | None = None
     ok, cause, detail = True, "", ""
     try:
@@ -275,29 +328,13 @@ def publish(
             ttl_s=args.ttl_s,
             on_superseded=on_superseded,
         )
-        if identity.source == "fallback":
-            log.warning(
-                "NOT PUBLISHED: engine %s is rank 0's fallback id, unknown to any registry; "
-                "decode instances cannot find this rank through the registry",
-                identity.engine_id,
-            )
-        else:
+        if wanted:
             publication.publish()
-    except EngineIdMismatch as exc:
-        ok, cause, detail = False, f"registry_refused:{exc.cause}", exc.detail or str(exc)
-    except (ProblemError, RegistryError) as exc:
-        ok, cause, detail = False, "registry_refused", str(exc)
     except Exception as exc:
-        log.exception("publishing the agent failed")
-        ok, cause, detail = False, "publish_failed", repr(exc)
+        ok = False
+        cause, detail = verdict_of(exc)
     try:
-        agree(
-            ok,
-            cause,
-            detail,
-            group=info.cpu_group,
-            what=f"agent registration for {args.group_id!r}",
-        )
+        agree(ok, cause, detail, group=info.cpu_group, what=what)
     except EngineIdentityError:
         if publication is not None:
             publication.close(deregister=ok)

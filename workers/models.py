@@ -95,6 +95,7 @@ class AgentRecord:
     host: str
     generation: int
     expires_at: str
+    rank: int = -1
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -105,8 +106,67 @@ class AgentRecord:
             host=str(data.get("host", "")),
             generation=int(data.get("generation", 0)),
             expires_at=str(data.get("expires_at", "")),
+            rank=int(data.get("rank", -1)),
             raw=data,
         )
+
+
+@dataclass(frozen=True)
+class AgentItem:
+    """One rank's agent in a batch registration (`PUT /tp-groups/{g}/engine/agents`)."""
+
+    rank: int
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    host: str
+    kv: KvSpec
+
+    def to_json(self, ttl_s: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "rank": self.rank,
+            "engine_id": self.engine_id,
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode("ascii"),
+            "host": self.host,
+            "kv": self.kv.to_json(),
+        }
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return body
+
+
+@dataclass(frozen=True)
+class BatchRegistration:
+    """What a batch registration answered: every rank's record, on one shared lease."""
+
+    agents: list[AgentRecord]
+    created_ranks: list[int]
+    replaced_ranks: list[int]
+
+    @property
+    def expires_at(self) -> str:
+        return self.agents[0].expires_at if self.agents else ""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> BatchRegistration:
+        return cls(
+            agents=[AgentRecord.from_json(a) for a in data["agents"]],
+            created_ranks=[int(r) for r in data.get("created_ranks", [])],
+            replaced_ranks=[int(r) for r in data.get("replaced_ranks", [])],
+        )
+
+
+@dataclass(frozen=True)
+class RankExpiry:
+    """A rank's renewed lease, as a batch heartbeat answers it."""
+
+    rank: int
+    expires_at: str
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankExpiry:
+        return cls(rank=int(data["rank"]), expires_at=str(data["expires_at"]))
 
 
 @dataclass(frozen=True)

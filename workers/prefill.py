@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             publication = launch.publish(
-                args, client, info, identity, endpoint, kv_spec(cache, heads), on_superseded
-            )
+                args, client, info, identity, endpoint, kv_spec(cache, heads), on_superseded,
+                linger_s=args.serve_s,
+            )  # fmt: skip
         except EngineIdentityError as exc:
             log.error("REGISTRY REFUSED THE AGENTS: %s", exc)
             reporter.update(status="refused", error=str(exc), causes=exc.causes)

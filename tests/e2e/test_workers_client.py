@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from workers import errors
 from workers.client import RegistryClient
-from workers.models import Compat, KvSpec
+from workers.models import AgentItem, Compat, KvSpec
 
 pytest_plugins = ["tests.e2e.conftest_workers"]
 pytestmark = pytest.mark.timeout(60)
@@ -106,3 +108,55 @@ def test_engine_ids_cause_mismatch_with_the_cause_the_registry_names(
             register(here, "a", 0, foreign.engine_id)
         assert unknown.value.cause == "unknown"
         assert register(here, "a", 0, mine.engine_id)
+
+
+def batch(engine_id: str, ranks: list[int]) -> list[AgentItem]:
+    return [
+        AgentItem(r, engine_id, f"{engine_id}-rank{r}", b"md%d" % r, "127.0.0.1", KV) for r in ranks
+    ]
+
+
+def test_batches_register_all_or_none_and_one_heartbeat_renews_them(registry_url: str) -> None:
+    with RegistryClient(registry_url, timeout_s=10) as client:
+        engine, _ = client.open_engine("pf", launch_id="l1", tp_size=4, role="prefill")
+        eid = engine.engine_id
+        first = client.register_agents("pf", batch(eid, [0, 1]), ttl_s=30)
+        assert [a.rank for a in first.agents] == [0, 1]
+        assert (first.created_ranks, first.replaced_ranks) == ([0, 1], [])
+        assert first.agents[1].agent_name == f"{eid}-rank1"
+        assert len({a.expires_at for a in first.agents}) == 1, "one shared lease"
+
+        foreign = batch(eid, [2, 3])
+        foreign[1] = replace(foreign[1], engine_id="never-issued-here")
+        with pytest.raises(errors.EngineIdMismatch) as mismatch:
+            client.register_agents("pf", foreign)
+        assert (mismatch.value.rank, mismatch.value.cause) == (3, "unknown")
+        with pytest.raises(errors.InvalidRequest) as outside:
+            client.register_agents("pf", batch(eid, [2, 7]))
+        assert outside.value.errors[0]["loc"] == ["body", "agents", 1, "rank"]
+        with pytest.raises(errors.NotFound):
+            client.register_agents("no-such-group", batch(eid, [0]))
+        assert client.get_engine("pf").registered_ranks == [0, 1], "all or none"
+
+        again = client.register_agents("pf", batch(eid, [1, 2, 3]), ttl_s=30)
+        assert (again.created_ranks, again.replaced_ranks) == ([2, 3], [1])
+        assert client.get_engine("pf").ready
+        plan = client.handshake(eid, tp_size=4, rank=3)
+        assert [(t.rank, t.agent_metadata) for t in plan.targets] == [(3, b"md3")]
+
+        renewed = client.heartbeat_agents("pf", engine_id=eid, ranks=[0, 1, 2, 3])
+        assert [r.rank for r in renewed] == [0, 1, 2, 3]
+        assert all(r.expires_at >= first.expires_at for r in renewed)
+
+        client.deregister_agent("pf", 2, engine_id=eid)
+        with pytest.raises(errors.NotFound) as absent:
+            client.heartbeat_agents("pf", engine_id=eid, ranks=[0, 2])
+        assert "rank 2" in absent.value.detail
+        newer, _ = client.open_engine("pf", launch_id="l2", tp_size=4, role="prefill")
+        with pytest.raises(errors.EngineIdMismatch) as stale:
+            client.heartbeat_agents("pf", engine_id=eid, ranks=[0])
+        assert stale.value.cause == "superseded"
+        with pytest.raises(ValueError, match="at least one"):
+            client.heartbeat_agents("pf", engine_id=newer.engine_id, ranks=[])
+        with pytest.raises(ValueError, match="at least one"):
+            client.register_agents("pf", [])

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,9 @@ def free_port() -> int:
 class Launch:
     """One torchrun invocation, logging to a file."""
 
-    def __init__(self, name: str, cmd: list[str], log_path: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], log_path: Path, extra_env: Mapping[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log_path = log_path
         env = {
@@ -45,6 +47,7 @@ class Launch:
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
+            **(extra_env or {}),
         }
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -94,10 +97,12 @@ def start_group(
     tp: int,
     nodes: int = 1,
     args: Sequence[str] = (),
+    env: Sequence[Mapping[str, str]] = (),
 ) -> list[Launch]:
     """Start `role` (prefill|decode) as `nodes` torchrun invocations forming one TP group.
 
-    `group_id` and `registry` may be given per node, to test what happens when they differ.
+    `group_id` and `registry` may be given per node, to test what happens when they differ;
+    `env`, one mapping per node, adds to a node's environment.
     """
     port = free_port()
     report_dir = tmp_path / "reports"
@@ -114,7 +119,8 @@ def start_group(
             "--collective-timeout-s", "60", "--timeout-s", "15", *SMALL_LAYOUT, *args,
         ]  # fmt: skip
         name = f"{role}-{gid}-node{node}"
-        launches.append(Launch(name, cmd, tmp_path / f"{name}-{time.monotonic_ns()}.log"))
+        log_path = tmp_path / f"{name}-{time.monotonic_ns()}.log"
+        launches.append(Launch(name, cmd, log_path, env[node] if env else None))
     return launches
 
 

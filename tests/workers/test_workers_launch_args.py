@@ -49,3 +49,26 @@ def test_an_unreadable_token_file_stops_with_its_path(monkeypatch: pytest.Monkey
     monkeypatch.setenv("WORKERS_REGISTRY_TOKEN_FILE", "/nonexistent/token")
     with pytest.raises(SystemExit, match="/nonexistent/token"):
         parse(["--group-id", "g"])
+
+
+def test_publication_is_per_node_unless_the_flag_or_variable_says_per_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("WORKERS_PUBLISH", raising=False)
+    assert parse(["--group-id", "g"]).publish == "per-node"
+    assert parse(["--group-id", "g", "--publish", "per-rank"]).publish == "per-rank"
+    monkeypatch.setenv("WORKERS_PUBLISH", "per-rank")
+    assert parse(["--group-id", "g"]).publish == "per-rank"
+    assert parse(["--group-id", "g", "--publish", "per-node"]).publish == "per-node"
+
+
+def test_an_unknown_publication_mode_stops_naming_the_choices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("WORKERS_PUBLISH", "per-host")
+    with pytest.raises(SystemExit):
+        parse(["--group-id", "g"])
+    assert "per-node, per-rank" in capsys.readouterr().err
+    monkeypatch.delenv("WORKERS_PUBLISH")
+    with pytest.raises(SystemExit):
+        parse(["--group-id", "g", "--publish", "per-pod"])

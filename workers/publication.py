@@ -1,0 +1,240 @@
+"""Agents published to the registry and kept alive under their leases.
+
+Two ways, one heartbeat loop (`LeaseKeeper`):
+
+- `Publication`: one rank publishes its own agent (`PUT .../agents/{rank}`) and renews it
+  (`POST .../agents/{rank}/heartbeat`): one registration and one heartbeat stream per rank.
+- `BatchPublication`: one process publishes several ranks' agents (a node's, gathered by its
+  leader) in one request and one transaction (`PUT .../agents`, one shared lease, all or
+  none) and renews them with one heartbeat (`POST .../agents/heartbeat`).
+
+The loop's rules are the same for both: a heartbeat every `ttl_s * fraction` seconds; after a
+404 (a lease expired, say after a registry outage) register again; after a 409 (a newer
+launch superseded the engine) stop, log loudly, set `superseded` and call `on_superseded`:
+a rank of an old launch must not keep serving under an id the registry no longer vouches for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from workers.client import RegistryClient
+from workers.errors import EngineIdMismatch, NotFound, RegistryError
+from workers.identity import EngineIdentity
+from workers.models import AgentItem, KvSpec
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    """The heartbeat loop: subclasses say how to publish, renew and deregister."""
+
+    def __init__(
+        self,
+        make_client: Callable[[], RegistryClient],
+        identity: EngineIdentity,
+        *,
+        label: str,
+        ttl_s: int = 30,
+        fraction: float = 1 / 3,
+        on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+    ) -> None:
+        self._client = make_client()
+        self._hb_client = make_client()  # one httpx client per thread
+        self.identity = identity
+        self.label = label
+        self.ttl_s = ttl_s
+        self.interval_s = max(0.2, ttl_s * fraction)
+        self.on_superseded = on_superseded
+        self.superseded = threading.Event()
+        self.reregistrations = 0
+        self.heartbeats = 0
+        self.published = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- what differs -----------------------------------------------------------------------
+
+    def publish(self, client: RegistryClient | None = None) -> bool:
+        """Register; True when some rank had no live agent. Raises the registry's error."""
+        raise NotImplementedError
+
+    def _renew(self, client: RegistryClient, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    def _deregister(self, client: RegistryClient, timeout_s: float) -> None:
+        raise NotImplementedError
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        name = f"heartbeat-{self.label.replace(' ', '')}"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        client = self._hb_client
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._renew(client, self.interval_s)
+                self.heartbeats += 1
+            except NotFound as exc:
+                log.warning(
+                    "%s: agent lease gone (404: %s); registering again", self.label, exc.detail
+                )
+                try:
+                    self.publish(client)
+                    self.reregistrations += 1
+                except RegistryError as again:
+                    log.warning("%s: re-registration failed: %s", self.label, again)
+            except EngineIdMismatch as exc:
+                log.error(
+                    "%s OF ENGINE %s IS SUPERSEDED (%s): a newer launch of group %s owns "
+                    "it now. Heartbeats stop; the rank(s) must shut down.",
+                    self.label.upper(),
+                    self.identity.engine_id,
+                    exc.detail,
+                    self.identity.group_id,
+                )
+                self.superseded.set()
+                if self.on_superseded is not None:
+                    self.on_superseded(exc)
+                return
+            except RegistryError as exc:
+                # Keep trying: a registry outage shorter than the lease costs nothing.
+                log.warning("%s: heartbeat failed: %s", self.label, exc)
+
+    def close(self, *, deregister: bool = True) -> None:
+        """Stop the heartbeat and (unless superseded) deregister. Idempotent, bounded."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+            self._thread = None
+        if deregister and self.published and not self.superseded.is_set():
+            try:
+                self._deregister(self._client, 5.0)
+            except RegistryError as exc:
+                log.warning("%s: deregistration failed: %s", self.label, exc)
+        self._client.close()
+        self._hb_client.close()
+
+
+class Publication(LeaseKeeper):
+    """A rank's own agent registration, kept alive by its own heartbeat (per-rank routes)."""
+
+    def __init__(
+        self,
+        make_client: Callable[[], RegistryClient],
+        identity: EngineIdentity,
+        rank: int,
+        *,
+        agent_name: str,
+        metadata: bytes,
+        host: str,
+        kv: KvSpec,
+        ttl_s: int = 30,
+        fraction: float = 1 / 3,
+        on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+    ) -> None:
+        super().__init__(
+            make_client,
+            identity,
+            label=f"rank {rank}",
+            ttl_s=ttl_s,
+            fraction=fraction,
+            on_superseded=on_superseded,
+        )
+        self.rank = rank
+        self.agent_name = agent_name
+        self._metadata = metadata
+        self.host = host
+        self.kv = kv
+
+    def publish(self, client: RegistryClient | None = None) -> bool:
+        _, created = (client or self._client).register_agent(
+            self.identity.group_id,
+            self.rank,
+            engine_id=self.identity.engine_id,
+            agent_name=self.agent_name,
+            agent_metadata=self._metadata,
+            host=self.host,
+            kv=self.kv,
+            ttl_s=self.ttl_s,
+        )
+        self.published = True
+        return created
+
+    def _renew(self, client: RegistryClient, timeout_s: float) -> None:
+        client.heartbeat(
+            self.identity.group_id, self.rank, engine_id=self.identity.engine_id,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+
+    def _deregister(self, client: RegistryClient, timeout_s: float) -> None:
+        client.deregister_agent(
+            self.identity.group_id, self.rank, engine_id=self.identity.engine_id,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+
+
+class BatchPublication(LeaseKeeper):
+    """Several ranks' agents (a node's) registered in one request on one shared lease and
+    renewed by one heartbeat (batch routes). Deregistration is per rank: the contract has
+    no batch DELETE, and a lease shared with a deregistered rank lives on for the others."""
+
+    def __init__(
+        self,
+        make_client: Callable[[], RegistryClient],
+        identity: EngineIdentity,
+        agents: Sequence[AgentItem],
+        *,
+        label: str | None = None,
+        ttl_s: int = 30,
+        fraction: float = 1 / 3,
+        on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+    ) -> None:
+        if not agents:
+            raise ValueError("a batch publication needs at least one agent")
+        wrong = [a.rank for a in agents if a.engine_id != identity.engine_id]
+        if wrong:
+            raise ValueError(f"ranks {wrong} carry another engine_id than {identity.engine_id}")
+        self.agents = sorted(agents, key=lambda a: a.rank)
+        self.ranks = [a.rank for a in self.agents]
+        super().__init__(
+            make_client,
+            identity,
+            label=label or f"ranks {self.ranks}",
+            ttl_s=ttl_s,
+            fraction=fraction,
+            on_superseded=on_superseded,
+        )
+
+    def publish(self, client: RegistryClient | None = None) -> bool:
+        answer = (client or self._client).register_agents(
+            self.identity.group_id, self.agents, ttl_s=self.ttl_s
+        )
+        self.published = True
+        return bool(answer.created_ranks)
+
+    def _renew(self, client: RegistryClient, timeout_s: float) -> None:
+        client.heartbeat_agents(
+            self.identity.group_id, engine_id=self.identity.engine_id, ranks=self.ranks,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+
+    def _deregister(self, client: RegistryClient, timeout_s: float) -> None:
+        failed: list[str] = []
+        for rank in self.ranks:
+            try:
+                client.deregister_agent(
+                    self.identity.group_id, rank, engine_id=self.identity.engine_id,
+                    timeout_s=timeout_s,
+                )  # fmt: skip
+            except NotFound:
+                pass  # already gone: what deregistering wants
+            except RegistryError as exc:
+                failed.append(f"rank {rank}: {exc}")
+        if failed:
+            log.warning("%s: deregistration failed for %s", self.label, "; ".join(failed))
