@@ -168,13 +168,18 @@ class BodyLimitMiddleware:
         scope["headers"] = [
             (k, v) for k, v in scope["headers"] if k not in {b"content-length", b"content-type"}
         ] + [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        sent = False
+        await self.app(scope, replay(body, receive), send)
 
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands over ``body`` (already read) once, then defers to ``receive``."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again

@@ -29,6 +29,7 @@ from bench.storm_core import (
     TTL_S,
     Recorder,
     _groups,
+    every_heartbeat,
     make_blobs,
 )
 
@@ -57,15 +58,9 @@ class EtcdStorm:
         return "/".join([self.prefix, *map(str, parts)]).encode()
 
     async def _heartbeat(self, c: Any, lease: Any, phase: float) -> None:
-        delay = phase
-        for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
-            try:
-                await asyncio.wait_for(self.stop.wait(), delay)
-                return
-            except TimeoutError:
-                pass
-            await self.rec.timed("heartbeat", lambda: c.refresh_lease(lease.id))
-            delay = HEARTBEAT_S
+        await every_heartbeat(
+            self.stop, phase, lambda: self.rec.timed("heartbeat", lambda: c.refresh_lease(lease.id))
+        )
 
     async def _rank(self, c: Any, index: int, gid: str, role: str, pair: int, rank: int) -> None:
         if rank == 0:

@@ -67,6 +67,7 @@ from bench.storm_core import (
     Recorder,
     _groups,
     blob_sizes,
+    every_heartbeat,
     make_blobs,
 )
 
@@ -121,13 +122,7 @@ class HttpStorm:
         agent: dict[str, Any],
         phase: float,
     ) -> None:
-        delay = phase
-        for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
-            try:
-                await asyncio.wait_for(self.stop.wait(), delay)
-                return
-            except TimeoutError:
-                pass
+        async def beat() -> None:
             status, _ = await self._call(
                 s, "heartbeat", "POST", f"/tp-groups/{gid}/engine/agents/{rank}/heartbeat",
                 {"engine_id": eid},
@@ -136,7 +131,8 @@ class HttpStorm:
                 await self._call(
                     s, "reregister", "PUT", f"/tp-groups/{gid}/engine/agents/{rank}", agent
                 )
-            delay = HEARTBEAT_S
+
+        await every_heartbeat(self.stop, phase, beat)
 
     async def _rank(
         self,

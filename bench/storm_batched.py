@@ -28,7 +28,8 @@ from typing import Any
 import aiohttp
 
 from bench.common import HOST
-from bench.storm import COMPAT, HEARTBEAT_S, STORM_TIMEOUT_S, TP, TTL_S, HttpStorm
+from bench.storm import COMPAT, HEARTBEAT_S, TP, TTL_S, HttpStorm
+from bench.storm_core import every_heartbeat
 
 
 class BatchedStorm(HttpStorm):
@@ -38,18 +39,11 @@ class BatchedStorm(HttpStorm):
         return [self._group(s, w, i, *group) for i, group in jobs]
 
     async def _renew(self, s: aiohttp.ClientSession, gid: str, eid: str, phase: float) -> None:
-        delay = phase
-        for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
-            try:
-                await asyncio.wait_for(self.stop.wait(), delay)
-                return
-            except TimeoutError:
-                pass
-            body = {"engine_id": eid, "ranks": list(range(TP))}
-            await self._call(
-                s, "heartbeat", "POST", f"/tp-groups/{gid}/engine/agents/heartbeat", body
-            )
-            delay = HEARTBEAT_S
+        body = {"engine_id": eid, "ranks": list(range(TP))}
+        path = f"/tp-groups/{gid}/engine/agents/heartbeat"
+        await every_heartbeat(
+            self.stop, phase, lambda: self._call(s, "heartbeat", "POST", path, body)
+        )
 
     async def _group(
         self,

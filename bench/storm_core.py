@@ -3,6 +3,7 @@ sizes, heartbeat interval, the groups, and the per-operation recorder."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -65,3 +66,19 @@ def _groups(ranks: int) -> list[tuple[str, str, int]]:
     return [(f"prefill-{i}", "prefill", i) for i in range(pairs)] + [
         (f"decode-{i}", "decode", i) for i in range(pairs)
     ]
+
+
+async def every_heartbeat(
+    stop: asyncio.Event, phase: float, beat: Callable[[], Awaitable[object]]
+) -> None:
+    """Call ``beat`` first after ``phase`` seconds, then every ``HEARTBEAT_S``, until ``stop``
+    is set (bounded by the storm's own deadline)."""
+    delay = phase
+    for _ in range(int(STORM_TIMEOUT_S / HEARTBEAT_S) + 1):
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+            return
+        except TimeoutError:
+            pass
+        await beat()
+        delay = HEARTBEAT_S

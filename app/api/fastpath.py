@@ -28,11 +28,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.routing import BaseRoute
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import RegistryError
 from app.jsonbody import parse
-from app.middleware import TOO_LARGE
+from app.middleware import TOO_LARGE, replay
 from app.problems import send_problem
 from app.registry import Registry
 from app.schemas import (
@@ -189,15 +189,4 @@ async def _read(receive: Receive) -> bytes:
 
 
 def _replay(raw: bytes | None, receive: Receive) -> Receive:
-    if raw is None:
-        return receive
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
-
-    return replay
+    return receive if raw is None else replay(raw, receive)

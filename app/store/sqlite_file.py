@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,51 +189,42 @@ class SqliteFile:
 
     def commit(self, changes: list[Change]) -> None:
         """Write every change in one transaction, or none of them."""
-        self.check_identity()
-        conn = self._conn
-        if conn is None:
-            raise FileFailure(f"SQLite store {self.path} is not open.")
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for change in changes:
-                    if change.lease_puts:
-                        conn.executemany(
-                            "INSERT OR REPLACE INTO leases(id, ttl_s, expires_at) VALUES (?,?,?)",
-                            change.lease_puts,
-                        )
-                    if change.deletes:
-                        conn.executemany(
-                            "DELETE FROM kv WHERE key=?", [(k,) for k in change.deletes]
-                        )
-                    if change.puts:
-                        conn.executemany(
-                            "INSERT OR REPLACE INTO kv(key, value, mod_revision, lease) "
-                            "VALUES (?,?,?,?)",
-                            [(e.key, e.value, e.mod_revision, e.lease) for e in change.puts],
-                        )
-                    if change.lease_deletes:
-                        conn.executemany(
-                            "DELETE FROM leases WHERE id=?", [(i,) for i in change.lease_deletes]
-                        )
-                last = changes[-1]
-                conn.executemany(
-                    "UPDATE meta SET v=? WHERE k=?",
-                    [(last.revision, "revision"), (last.next_lease, "next_lease")],
-                )
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            failure = classify(self.path, exc)
-            self.close_connection()  # reopened by the next load: recovers a remount, say
-            raise failure from exc
+
+        def write(conn: sqlite3.Connection) -> None:
+            for change in changes:
+                if change.lease_puts:
+                    conn.executemany(
+                        "INSERT OR REPLACE INTO leases(id, ttl_s, expires_at) VALUES (?,?,?)",
+                        change.lease_puts,
+                    )
+                if change.deletes:
+                    conn.executemany("DELETE FROM kv WHERE key=?", [(k,) for k in change.deletes])
+                if change.puts:
+                    conn.executemany(
+                        "INSERT OR REPLACE INTO kv(key, value, mod_revision, lease) "
+                        "VALUES (?,?,?,?)",
+                        [(e.key, e.value, e.mod_revision, e.lease) for e in change.puts],
+                    )
+                if change.lease_deletes:
+                    conn.executemany(
+                        "DELETE FROM leases WHERE id=?", [(i,) for i in change.lease_deletes]
+                    )
+            last = changes[-1]
+            conn.executemany(
+                "UPDATE meta SET v=? WHERE k=?",
+                [(last.revision, "revision"), (last.next_lease, "next_lease")],
+            )
+
+        self._transaction(write)
 
     def probe(self) -> None:
         """A real write, so that readiness fails when writes would (full or frozen disk)."""
+        self._transaction(lambda conn: conn.execute("UPDATE meta SET v=v+1 WHERE k='probe'"))
+
+    def _transaction(self, write: Callable[[sqlite3.Connection], object]) -> None:
+        """``BEGIN IMMEDIATE``, ``write``, ``COMMIT``; on a driver error, roll back, close the
+        connection (the next load reopens it: that recovers a remount, say) and raise the
+        failure classified."""
         self.check_identity()
         conn = self._conn
         if conn is None:
@@ -240,7 +232,7 @@ class SqliteFile:
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                conn.execute("UPDATE meta SET v=v+1 WHERE k='probe'")
+                write(conn)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
