@@ -35,8 +35,9 @@ from workers.errors import (
     RegistryError,
 )
 from workers.identity import EngineIdentity, sync_engine_id
-from workers.models import Compat, Role
+from workers.models import Role
 from workers.vllm_plugin import ENV_URL, SUPPORTED_VLLM_VERSIONS
+from workers.vllm_plugin.compat import compat_of, vllm_version
 
 # A child of vLLM's logger, so lines appear in vLLM's output with its prefixes (rank, pid).
 log = logging.getLogger("vllm.engine_registry")
@@ -121,12 +122,6 @@ class _State:
 _state = _State()
 
 
-def vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
-
-
 def check_version(version: str | None = None) -> None:
     """Fail at start, clearly, on a vLLM whose hook point this plugin does not know."""
     version = version or vllm_version()
@@ -201,23 +196,6 @@ def _group_id(config: Any, settings: Settings) -> tuple[str, int, int]:
 def _vllm_engine_id(registry_id: str, dp_size: int, dp_rank: int) -> str:
     # vLLM's convention for data parallelism (v1/engine/core.py): one id per DP rank.
     return registry_id if dp_size == 1 else f"{registry_id}_dp{dp_rank}"
-
-
-def compat_of(config: Any) -> Compat:
-    """What a decode instance must share with a prefill one (flat, JSON scalars)."""
-    model = config.model_config
-    cache = config.cache_config
-    compat: Compat = {
-        "model": str(getattr(model, "model", "")),
-        "dtype": str(getattr(model, "dtype", "")).removeprefix("torch."),
-        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
-        "kv_connector": str(config.kv_transfer_config.kv_connector),
-        "vllm_version": vllm_version().split("+", 1)[0],
-    }
-    block_size = getattr(cache, "block_size", None)
-    if isinstance(block_size, int):
-        compat["block_size"] = block_size
-    return compat
 
 
 # -- worker side ---------------------------------------------------------------------------
