@@ -51,8 +51,8 @@ class _Shared:
             "temperature": 0,
         }
 
-    def client(self) -> RegistryClient:
-        return RegistryClient(self.registry.url, token=self.registry.tokens.reader)
+    def client(self, role: str = "reader") -> RegistryClient:
+        return RegistryClient(self.registry.url, token=getattr(self.registry.tokens, role))
 
     def pd(self, prefill: Instance) -> tuple[httpx.Response, dict[str, Any]]:
         """A PD request through `prefill` and the shared decode, bounded, decode's log on fail."""
@@ -133,11 +133,10 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
         wrong_group.start()
         wrong_registry.start()
         wrong_token.start()
-        codes = {
-            "wrong-group": wrong_group.wait_exit(START_S),
-            "wrong-registry": wrong_registry.wait_exit(START_S),
-            "wrong-token": wrong_token.wait_exit(START_S),
-        }
+        codes = {"wrong-token": wrong_token.wait_exit(START_S)}
+        FIGURES["launch with a wrong token refused after"] = time.monotonic() - t0
+        codes["wrong-group"] = wrong_group.wait_exit(START_S)
+        codes["wrong-registry"] = wrong_registry.wait_exit(START_S)
         FIGURES["misconfigured launches refused after"] = time.monotonic() - t0
         for name, (node0, *headless) in codes.items():
             # The instance (node 0's API server) fails; a headless node stops once its worker
@@ -151,9 +150,12 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
             for node, text in enumerate(instance.logs()):
                 assert "refuses to start" in text, (instance.name, node, text[-3000:])
                 assert cause in text, (instance.name, node, text[-3000:])
-        # The cause names the fix: which variable holds the token, and the role it needs.
+        # The cause names the fix (which variable, which role); the plugin refused in the
+        # launch's first process, before vLLM started an engine core or a worker.
         assert "ENGINE_REGISTRY_TOKEN" in wrong_token.logs()[0]
         assert "401 unauthorized" in wrong_token.logs()[0]
+        assert "worker role" in wrong_token.logs()[0]
+        assert "(EngineCore" not in wrong_token.logs()[0], wrong_token.tails()
         with httpx.Client(base_url=registry.url, headers=registry.headers(), timeout=5.0) as http:
             for group in ("mixed-a", "mixed-c"):
                 engine = http.get(f"/tp-groups/{group}/engine").json()
@@ -230,9 +232,11 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
         assert again.status_code == 200, (again.text[:1000], shared.decode.tails())
 
-        # Decode side: kv_transfer_params -> the prefill instance, through the registry.
+        # Decode side: kv_transfer_params -> the prefill instance, through the registry (a
+        # handshake lookup is a worker's call: the reader token may not make it).
         assert params["remote_engine_id"] == engine.engine_id
-        remote = resolve_remote_engine(client, params)
+        with shared.client("worker") as worker:
+            remote = resolve_remote_engine(worker, params)
         assert remote.engine.group_id == "prefill-0"
         assert remote.dp_rank is None
         assert sorted(a.rank for a in remote.agents) == [0, 1]

@@ -31,8 +31,10 @@ from workers.client import RegistryClient
 from workers.errors import (
     EngineIdentityError,
     EngineIdMismatch,
+    Forbidden,
     NotFound,
     RegistryError,
+    Unauthorized,
 )
 from workers.identity import EngineIdentity, sync_engine_id
 from workers.models import Role
@@ -140,8 +142,11 @@ def install() -> None:
     check_version()
     # The first process of a launch (the API server, or a headless node's launcher) names
     # the launch; its engine core and workers inherit it through the environment.
+    first = ENV_LAUNCH not in os.environ
     os.environ.setdefault(ENV_LAUNCH, uuid.uuid4().hex)
-    Settings.from_env()
+    settings = Settings.from_env()
+    if first:
+        check_token(settings)
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -170,6 +175,22 @@ def install() -> None:
     KVConnectorFactory.create_connector = classmethod(create_connector)
     setattr(KVConnectorFactory, _PATCHED, True)
     log.debug("engine-registry plugin active (pid %d)", os.getpid())
+
+
+def check_token(settings: Settings) -> None:
+    """A token the registry refuses stops the launch in its first process, before vLLM loads
+    anything (the workers would refuse too, with the same cause, minutes later)."""
+    with RegistryClient(settings.urls, token=settings.token, timeout_s=5.0) as client:
+        try:
+            client.request("GET", f"/tp-groups/{settings.group}/engine")
+        except (Unauthorized, Forbidden) as exc:
+            raise PluginConfigError(
+                f"engine-registry: group {settings.group!r} refuses to start: unauthorized: "
+                f"registry {client.url} refused {ENV_TOKEN} ({exc}); set it to a token with "
+                "the worker role from the registry's tokens file"
+            ) from exc
+        except RegistryError:
+            return  # no engine yet, or unreachable: the workers' sync decides, with its cause
 
 
 # -- what every side computes the same way --------------------------------------------------
