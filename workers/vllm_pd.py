@@ -107,6 +107,7 @@ class Proxy:
         port: int | None = None,
         *,
         decode_logs: Callable[[], str] | None = None,
+        timeout_s: float = PD_TIMEOUT_S,
     ):
         self.prefill_url = prefill_url
         self.decode_url = decode_url
@@ -123,7 +124,11 @@ class Proxy:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
                 try:
                     answer, _ = pd_complete(
-                        outer.prefill_url, outer.decode_url, body, decode_logs=decode_logs
+                        outer.prefill_url,
+                        outer.decode_url,
+                        body,
+                        timeout_s=timeout_s,
+                        decode_logs=decode_logs,
                     )
                     status, payload = answer.status_code, answer.content
                 except PDTimeout as exc:
