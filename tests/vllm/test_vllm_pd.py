@@ -251,8 +251,13 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
     assert split_dp_suffix(f"{engine.engine_id}_dp3") == (engine.engine_id, 3)
 
 
+def _amx_holders(instance: Instance) -> list[int]:
+    """Per node, how many processes said they hold AMX permission (workers.vllm_serve)."""
+    return [len({int(pid) for pid in AMX_HELD.findall(text)}) for text in instance.logs()]
+
+
 def _report_the_cpu_path(shared: _Shared, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
-    """Which attention kernel this run covered, and on AMX that every decode process asked.
+    """Which attention kernel this run covered, and on AMX that every vLLM process asked.
 
     `attn_isa` is what vLLM's own selector returned in the workers (the plugin records it in
     the engine's compat). With `amx`, the AMX attention kernel ran in decode's first step
@@ -262,13 +267,14 @@ def _report_the_cpu_path(shared: _Shared, prefill: dict[str, Any], decode: dict[
     MACHINE["attention ISA vLLM chose (decode / prefill)"] = f"{isa} / {prefill.get('attn_isa')}"
     assert isa, decode
     assert prefill.get("attn_isa") == isa, (prefill, decode)
-    held = {int(pid) for pid in AMX_HELD.findall(shared.decode.logs()[0])}
-    MACHINE["decode processes holding AMX permission"] = str(len(held))
+    assert shared.prefill is not None
+    held = {"decode": _amx_holders(shared.decode), "prefill": _amx_holders(shared.prefill)}
+    MACHINE["processes holding AMX permission per node"] = str(held)
     if isa == "amx":
-        # API server, engine core and the worker each asked (workers.vllm_serve at import).
-        assert len(held) >= 3, shared.decode.tails()
-    else:
-        assert not cpu_amx.state().kernel_offers or held, shared.decode.tails()
+        # Node 0: API server, engine core, worker; a headless node: its launcher and worker.
+        assert held == {"decode": [3], "prefill": [3, 2]}, (held, shared.decode.tails())
+    elif not cpu_amx.state().kernel_offers:
+        assert held == {"decode": [0], "prefill": [0, 0]}, held  # nothing to ask for
 
 
 def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
