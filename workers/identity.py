@@ -36,10 +36,12 @@ from workers.client import RegistryClient
 from workers.errors import (
     EngineIdentityError,
     EngineSuperseded,
+    Forbidden,
     NotFound,
     ProblemError,
     RegistryError,
     RegistryUnavailable,
+    Unauthorized,
 )
 from workers.models import Compat, Role
 
@@ -50,6 +52,7 @@ DIFFERENT_REGISTRY = "different_registry"  # API cause `unknown`
 DIFFERENT_GROUP = "different_group"  # API cause `other_group`
 SUPERSEDED = "superseded"  # API cause `superseded`
 REGISTRY_UNREACHABLE = "registry_unreachable"
+UNAUTHORIZED = "unauthorized"  # the registry refused this rank's token (401/403)
 OPEN_FAILED = "open_failed"
 
 
@@ -130,6 +133,8 @@ def _open_as_rank0(
         )
         identity = EngineIdentity(group_id, fallback, 0, "", launch_id, "fallback")
         return {"ok": True, **asdict(identity)}
+    except (Unauthorized, Forbidden) as exc:
+        return {"ok": False, "cause": UNAUTHORIZED, "detail": _refused(client, exc)}
     except ProblemError as exc:
         return {"ok": False, "cause": OPEN_FAILED, "detail": f"opening the engine: {exc}"}
     log.info(
@@ -144,6 +149,14 @@ def _open_as_rank0(
         group_id, engine.engine_id, engine.generation, client.url, launch_id, "registry"
     )
     return {"ok": True, **asdict(identity)}
+
+
+def _refused(client: RegistryClient, exc: ProblemError) -> str:
+    return (
+        f"registry {client.url} refused this rank's token ({exc}): give every rank a bearer "
+        "token with the worker role from the registry's tokens file (the vLLM plugin reads "
+        "ENGINE_REGISTRY_TOKEN)"
+    )
 
 
 def _diagnose(
@@ -163,6 +176,8 @@ def _diagnose(
         pass
     except RegistryUnavailable as exc:
         return _Verdict(rank, False, REGISTRY_UNREACHABLE, f"registry {here} unreachable: {exc}")
+    except (Unauthorized, Forbidden) as exc:
+        return _Verdict(rank, False, UNAUTHORIZED, _refused(client, exc))
     except RegistryError as exc:
         return _Verdict(rank, False, OPEN_FAILED, f"fetching group {group_id!r}: {exc}")
     try:

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,11 +34,12 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+
+from workers.vllm_pd import Proxy, nixl_transfers
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -129,20 +131,49 @@ class Proc:
         self._log.close()
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """One bearer token per role, as a production registry's tokens file holds them."""
+
+    reader: str
+    worker: str
+    admin: str
+
+    @classmethod
+    def fresh(cls) -> Tokens:
+        return cls(*(f"{role}-{secrets.token_urlsafe(24)}" for role in ROLES))
+
+    def write(self, path: Path) -> Path:
+        path.touch(mode=0o600)
+        path.write_text("".join(f"{r}:{getattr(self, r)}\n" for r in ROLES), encoding="utf-8")
+        return path
+
+
+ROLES = ("reader", "worker", "admin")
+
+
 @dataclass
 class Registry:
+    """A registry with tokens (the vLLM plugin holds the worker one, readers the reader one)."""
+
     workdir: Path
     port: int = field(default_factory=free_port)
+    tokens: Tokens = field(default_factory=Tokens.fresh)
     proc: Proc | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def headers(self, role: str = "reader") -> dict[str, str]:
+        return {"Authorization": f"Bearer {getattr(self.tokens, role)}"}
+
     def start(self, timeout_s: float = 30.0) -> Registry:
+        tokens = self.tokens.write(self.workdir / f"registry-{self.port}.tokens")
         cmd = [
             vllm_python(), "-m", "app", "serve", "--host", "127.0.0.1",
             "--port", str(self.port), "--store", f"sqlite:///{self.workdir}/registry-{self.port}.db",
+            "--tokens-file", str(tokens),
         ]  # fmt: skip
         self.proc = Proc(
             f"registry:{self.port}", cmd, base_env(), self.workdir / f"registry-{self.port}.log"
@@ -173,6 +204,7 @@ class Instance:
     nodes: int = 1
     cores: Sequence[str] = ("0",)
     registry_url: str | None = None
+    registry_token: str | None = None
     group: str | None = None
     role: str | None = None
     # Per-node overrides of the plugin's environment (a misconfigured node, say).
@@ -216,6 +248,8 @@ class Instance:
         if self.registry_url:
             env["ENGINE_REGISTRY_URL"] = self.registry_url
             env["ENGINE_REGISTRY_GROUP"] = self.group or self.name
+            if self.registry_token:
+                env["ENGINE_REGISTRY_TOKEN"] = self.registry_token
             if self.role:
                 env["ENGINE_REGISTRY_ROLE"] = self.role
         env.update(self.extra_env)
@@ -268,103 +302,6 @@ class Instance:
         self.procs = []
 
 
-# -- the PD request, as vLLM's toy_proxy_server.py ------------------------------------------
-
-
-def pd_complete(
-    prefill_url: str,
-    decode_url: str,
-    body: Mapping[str, Any],
-    *,
-    timeout_s: float = 120.0,
-) -> tuple[httpx.Response, dict[str, Any]]:
-    """Prefill (max_tokens 1, do_remote_decode), then decode with prefill's kv_transfer_params.
-
-    Returns decode's response and the kv_transfer_params prefill handed over.
-    """
-    prefill_body = dict(body)
-    prefill_body.update(
-        max_tokens=1,
-        stream=False,
-        kv_transfer_params={
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
-    )
-    prefill_body.pop("stream_options", None)
-    with httpx.Client(timeout=timeout_s, trust_env=False) as http:
-        first = http.post(f"{prefill_url}/v1/completions", json=prefill_body)
-        first.raise_for_status()
-        params = dict(first.json().get("kv_transfer_params") or {})
-        decode_body = dict(body)
-        decode_body["kv_transfer_params"] = params
-        return http.post(f"{decode_url}/v1/completions", json=decode_body), params
-
-
-def complete(url: str, body: Mapping[str, Any], *, timeout_s: float = 120.0) -> httpx.Response:
-    with httpx.Client(timeout=timeout_s, trust_env=False) as http:
-        return http.post(f"{url}/v1/completions", json=dict(body))
-
-
-def nixl_transfers(decode_url: str) -> float:
-    """Decode's `vllm:nixl_xfer_time_seconds_count` (0 when absent)."""
-    text = httpx.get(f"{decode_url}/metrics", timeout=10.0).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:nixl_xfer_time_seconds_count"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-class Proxy:
-    """A tiny HTTP proxy: POST /v1/completions through prefill, then decode."""
-
-    def __init__(self, prefill_url: str, decode_url: str, port: int | None = None):
-        self.prefill_url = prefill_url
-        self.decode_url = decode_url
-        self.port = port or free_port()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def do_POST(self) -> None:
-                if self.path != "/v1/completions":
-                    self.send_error(404)
-                    return
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
-                try:
-                    answer, _ = pd_complete(outer.prefill_url, outer.decode_url, body)
-                    status, payload = answer.status_code, answer.content
-                except httpx.HTTPError as exc:
-                    status, payload = 502, json.dumps({"error": str(exc)}).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Proxy:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 # -- the one-command try-out ----------------------------------------------------------------
 
 
@@ -383,8 +320,9 @@ def build_model(workdir: Path) -> Path:
     return path
 
 
-def show_registry(url: str) -> None:
-    groups = httpx.get(f"{url}/tp-groups", timeout=5.0).json()["groups"]
+def show_registry(registry: Registry) -> None:
+    answer = httpx.get(f"{registry.url}/tp-groups", headers=registry.headers(), timeout=5.0)
+    groups = answer.json()["groups"]
     for g in groups:
         say(
             f"registry: group {g['group_id']} generation {g['generation']} engine "
@@ -432,20 +370,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             started.append(registry)
             say(f"registry {registry.url}")
         url = registry.url if registry else None
+        token = registry.tokens.worker if registry else None
         prefill = Instance(
             "prefill", model, workdir, tp=2, nodes=2, cores=("0", "1"),
-            registry_url=url, group="prefill-0", role="prefill",
+            registry_url=url, registry_token=token, group="prefill-0", role="prefill",
         ).start()  # fmt: skip
         started.append(prefill)
         decode = Instance(
-            "decode", model, workdir, cores=("1",), registry_url=url, group="decode-0",
-            role="decode",
+            "decode", model, workdir, cores=("1",), registry_url=url, registry_token=token,
+            group="decode-0", role="decode",
         ).start()  # fmt: skip
         started.append(decode)
         say("prefill (TP 2 over two nodes) and decode (TP 1) starting...")
         say(f"prefill healthy after {prefill.wait_healthy(args.timeout):.1f} s: {prefill.url}")
         say(f"decode healthy after {decode.wait_healthy(args.timeout):.1f} s: {decode.url}")
-        proxy = Proxy(prefill.url, decode.url, args.proxy_port).start()
+        proxy = Proxy(prefill.url, decode.url, args.proxy_port, decode_logs=decode.tails).start()
         started.append(proxy)
         say(f"proxy {proxy.url}/v1/completions")
         body = {
@@ -458,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         answer = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120.0)
         say(f"PD request: {answer.status_code} in {time.monotonic() - t1:.2f} s")
         if answer.status_code != 200:
-            say(answer.text[:2000])
+            say(answer.text[-6000:])
             return 1
         say(f"text: {answer.json()['choices'][0]['text']!r}")
         warm = []
@@ -469,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"PD request, warm (NIXL handshake done): median {sorted(warm)[1]:.2f} s of 3")
         say(f"decode NIXL transfers: {nixl_transfers(decode.url):.0f}")
         if registry is not None:
-            show_registry(registry.url)
+            show_registry(registry)
         if args.once:
             return 0
         say(

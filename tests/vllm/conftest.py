@@ -14,9 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from workers import cpu_amx
 from workers.vllm_launch import VLLM_VENV, Registry, build_model
 
 FIGURES: dict[str, float] = {}
+# What machine and which CPU kernels a run covered (the tests add vLLM's attention ISA).
+_AMX = cpu_amx.state()
+MACHINE: dict[str, str] = {
+    "CPU": _AMX.cpu_model,
+    "AMX (amx_tile / kernel offers tile data)": f"{_AMX.amx_tile} / {_AMX.kernel_offers}",
+}
 _STAMP = VLLM_VENV / ".engine-registry-setup"
 
 
@@ -43,6 +50,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES or len(MACHINE) > 2:
+        terminalreporter.section("real vLLM ran on")
+        for key, text in MACHINE.items():
+            terminalreporter.write_line(f"{key:48s} {text}")
     if FIGURES:
         terminalreporter.section("real vLLM figures (seconds)")
         for key, value in FIGURES.items():

@@ -2,7 +2,9 @@
 
 vLLM's own engine_id broadcast is switched off on the prefill nodes (tests/vllm/nofix, "a vLLM
 before its fix"). One decode instance (TP 1, plugin active) serves the whole module; prefill
-instances come and go. The tests run in file order and share `_Shared`.
+instances come and go. The tests run in file order and share `_Shared`. The registry runs with
+tokens, as in production: the plugin holds a worker token, the tests read with a reader one.
+Every PD request has a deadline (`workers.vllm_pd`): past it, the failure shows decode's log.
 """
 
 from __future__ import annotations
@@ -17,17 +19,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm.conftest import FIGURES
+from tests.vllm.conftest import FIGURES, MACHINE
+from workers import cpu_amx
 from workers.client import RegistryClient
 from workers.errors import EngineSuperseded
-from workers.vllm_launch import (
-    ROOT,
-    Instance,
-    Registry,
-    complete,
-    nixl_transfers,
-    pd_complete,
-)
+from workers.vllm_launch import ROOT, Instance, Registry
+from workers.vllm_pd import complete, nixl_transfers, pd_complete
 from workers.vllm_plugin.resolve import resolve_remote_engine, split_dp_suffix
 
 NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "vllm" / "nofix")}
@@ -35,6 +32,7 @@ PROMPT = "The registry issues one engine id per launch of a tensor parallel grou
 START_S = 300.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 CONNECTOR_ID = re.compile(r"Creating v1 connector with name: \w+ and engine_id: (\S+)")
+AMX_HELD = re.compile(r"\[vllm_serve\] pid (\d+) \(\S+\): AMX tile permission held")
 
 
 @dataclass
@@ -53,6 +51,13 @@ class _Shared:
             "temperature": 0,
         }
 
+    def client(self, role: str = "reader") -> RegistryClient:
+        return RegistryClient(self.registry.url, token=getattr(self.registry.tokens, role))
+
+    def pd(self, prefill: Instance) -> tuple[httpx.Response, dict[str, Any]]:
+        """A PD request through `prefill` and the shared decode, bounded, decode's log on fail."""
+        return pd_complete(prefill.url, self.decode.url, self.body(), decode_logs=self.decode.tails)
+
     def prefill_instance(self, name: str, *, plugin: bool, **kw: Any) -> Instance:
         return Instance(
             name,
@@ -62,6 +67,7 @@ class _Shared:
             nodes=2,
             cores=("0", "1"),
             registry_url=self.registry.url if plugin else None,
+            registry_token=self.registry.tokens.worker,
             group="prefill-0",
             role="prefill",
             extra_env={**NOFIX, "ENGINE_REGISTRY_TTL_S": "10"},
@@ -77,6 +83,7 @@ def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator
         vllm_workdir,
         cores=("1",),
         registry_url=registry.url,
+        registry_token=registry.tokens.worker,
         group="decode-0",
         role="decode",
     ).start()
@@ -98,30 +105,38 @@ def other_registry(vllm_workdir: Path) -> Iterator[Registry]:
         reg.stop()
 
 
-def test_a_misconfigured_node_refuses_to_start_on_every_rank(
+def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
     vllm_workdir: Path, tiny_model: Path, registry: Registry, other_registry: Registry
 ) -> None:
-    # First in the module, before the shared decode instance takes its core. Both launches
+    # First in the module, before the shared decode instance takes its core. Three launches
     # at once (they fail before serving): node 1 of the first names another group, node 1 of
-    # the second talks to another registry.
+    # the second talks to another registry (with a token that one accepts), the third holds a
+    # token the registry does not know.
+    worker = registry.tokens.worker
     wrong_group = Instance(
         "wrong-group", tiny_model, vllm_workdir, tp=2, nodes=2, cores=("0", "1"),
-        registry_url=registry.url, group="mixed-a", role="prefill", extra_env=NOFIX,
-        node_env=[{}, {"ENGINE_REGISTRY_GROUP": "mixed-b"}],
+        registry_url=registry.url, registry_token=worker, group="mixed-a", role="prefill",
+        extra_env=NOFIX, node_env=[{}, {"ENGINE_REGISTRY_GROUP": "mixed-b"}],
     )  # fmt: skip
     wrong_registry = Instance(
         "wrong-registry", tiny_model, vllm_workdir, tp=2, nodes=2, cores=("1", "0"),
-        registry_url=registry.url, group="mixed-c", role="prefill", extra_env=NOFIX,
-        node_env=[{}, {"ENGINE_REGISTRY_URL": other_registry.url}],
+        registry_url=registry.url, registry_token=worker, group="mixed-c", role="prefill",
+        extra_env=NOFIX, node_env=[{}, {"ENGINE_REGISTRY_URL": other_registry.url,
+                                        "ENGINE_REGISTRY_TOKEN": other_registry.tokens.worker}],
+    )  # fmt: skip
+    wrong_token = Instance(
+        "wrong-token", tiny_model, vllm_workdir, cores=("0",), registry_url=registry.url,
+        registry_token="worker-not-a-token-of-this-registry", group="mixed-e", role="prefill",
     )  # fmt: skip
     t0 = time.monotonic()
     try:
         wrong_group.start()
         wrong_registry.start()
-        codes = {
-            "wrong-group": wrong_group.wait_exit(START_S),
-            "wrong-registry": wrong_registry.wait_exit(START_S),
-        }
+        wrong_token.start()
+        codes = {"wrong-token": wrong_token.wait_exit(START_S)}
+        FIGURES["launch with a wrong token refused after"] = time.monotonic() - t0
+        codes["wrong-group"] = wrong_group.wait_exit(START_S)
+        codes["wrong-registry"] = wrong_registry.wait_exit(START_S)
         FIGURES["misconfigured launches refused after"] = time.monotonic() - t0
         for name, (node0, *headless) in codes.items():
             # The instance (node 0's API server) fails; a headless node stops once its worker
@@ -130,17 +145,28 @@ def test_a_misconfigured_node_refuses_to_start_on_every_rank(
             assert node0 != 0, (name, codes[name])
             assert all(code is not None for code in headless), (name, codes[name])
         for instance, cause in ((wrong_group, "different_group"),
-                                (wrong_registry, "different_registry")):  # fmt: skip
+                                (wrong_registry, "different_registry"),
+                                (wrong_token, "unauthorized")):  # fmt: skip
             for node, text in enumerate(instance.logs()):
                 assert "refuses to start" in text, (instance.name, node, text[-3000:])
                 assert cause in text, (instance.name, node, text[-3000:])
-        with httpx.Client(base_url=registry.url, timeout=5.0) as http:
+        # The cause names the fix (which variable, which role); the plugin refused in the
+        # launch's first process, before vLLM started an engine core or a worker.
+        assert "ENGINE_REGISTRY_TOKEN" in wrong_token.logs()[0]
+        assert "401 unauthorized" in wrong_token.logs()[0]
+        assert "worker role" in wrong_token.logs()[0]
+        assert "(EngineCore" not in wrong_token.logs()[0], wrong_token.tails()
+        with httpx.Client(base_url=registry.url, headers=registry.headers(), timeout=5.0) as http:
             for group in ("mixed-a", "mixed-c"):
                 engine = http.get(f"/tp-groups/{group}/engine").json()
                 assert engine["registered_ranks"] == [], engine  # nothing was published
+            # The refused token opened nothing; the reader token is needed to even look.
+            assert http.get("/tp-groups/mixed-e/engine").status_code == 404
+            assert httpx.get(f"{registry.url}/tp-groups").status_code == 401
     finally:
         wrong_group.stop()
         wrong_registry.stop()
+        wrong_token.stop()
 
 
 def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
@@ -165,7 +191,7 @@ def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) ->
     assert node0, prefill.tails()
     assert node1, prefill.tails()
     assert not node0 & node1, (node0, node1)  # each node made up its own engine_id
-    answer, params = pd_complete(prefill.url, shared.decode.url, shared.body())
+    answer, params = shared.pd(prefill)
     assert params.get("remote_engine_id") in node0
     assert answer.status_code != 200, answer.text[:500]
     deadline = time.monotonic() + 30
@@ -177,7 +203,7 @@ def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) ->
 
 def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
     prefill = _start_prefill(shared, "prefill-registry", plugin=True)
-    with RegistryClient(shared.registry.url) as client:
+    with shared.client() as client:
         engine = client.get_engine("prefill-0")
         assert engine.ready
         assert engine.registered_ranks == [0, 1]
@@ -196,19 +222,21 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         own = complete(prefill.url, shared.body())
         assert own.status_code == 200, own.text[:500]
         t0 = time.monotonic()
-        answer, params = pd_complete(prefill.url, shared.decode.url, shared.body())
+        answer, params = shared.pd(prefill)
         FIGURES["PD request (plugin), first"] = time.monotonic() - t0
-        assert answer.status_code == 200, answer.text[:1000]
+        assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
         assert nixl_transfers(shared.decode.url) > before
         t0 = time.monotonic()
-        again, _ = pd_complete(prefill.url, shared.decode.url, shared.body())
+        again, _ = shared.pd(prefill)
         FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
-        assert again.status_code == 200
+        assert again.status_code == 200, (again.text[:1000], shared.decode.tails())
 
-        # Decode side: kv_transfer_params -> the prefill instance, through the registry.
+        # Decode side: kv_transfer_params -> the prefill instance, through the registry (a
+        # handshake lookup is a worker's call: the reader token may not make it).
         assert params["remote_engine_id"] == engine.engine_id
-        remote = resolve_remote_engine(client, params)
+        with shared.client("worker") as worker:
+            remote = resolve_remote_engine(worker, params)
         assert remote.engine.group_id == "prefill-0"
         assert remote.dp_rank is None
         assert sorted(a.rank for a in remote.agents) == [0, 1]
@@ -219,11 +247,38 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         decode = client.get_engine("decode-0")
         assert decode.ready
         assert decode.role == "decode"
+        _report_the_cpu_path(shared, engine.compat, decode.compat)
     assert split_dp_suffix(f"{engine.engine_id}_dp3") == (engine.engine_id, 3)
 
 
+def _amx_holders(instance: Instance) -> list[int]:
+    """Per node, how many processes said they hold AMX permission (workers.vllm_serve)."""
+    return [len({int(pid) for pid in AMX_HELD.findall(text)}) for text in instance.logs()]
+
+
+def _report_the_cpu_path(shared: _Shared, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
+    """Which attention kernel this run covered, and on AMX that every vLLM process asked.
+
+    `attn_isa` is what vLLM's own selector returned in the workers (the plugin records it in
+    the engine's compat). With `amx`, the AMX attention kernel ran in decode's first step
+    after a NIXL pull: the path that dies with SIGILL when a process lacks AMX permission.
+    """
+    isa = str(decode.get("attn_isa", ""))
+    MACHINE["attention ISA vLLM chose (decode / prefill)"] = f"{isa} / {prefill.get('attn_isa')}"
+    assert isa, decode
+    assert prefill.get("attn_isa") == isa, (prefill, decode)
+    assert shared.prefill is not None
+    held = {"decode": _amx_holders(shared.decode), "prefill": _amx_holders(shared.prefill)}
+    MACHINE["processes holding AMX permission per node"] = str(held)
+    if isa == "amx":
+        # Node 0: API server, engine core, worker; a headless node: its launcher and worker.
+        assert held == {"decode": [3], "prefill": [3, 2]}, (held, shared.decode.tails())
+    elif not cpu_amx.state().kernel_offers:
+        assert held == {"decode": [0], "prefill": [0, 0]}, held  # nothing to ask for
+
+
 def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
-    with RegistryClient(shared.registry.url) as client:
+    with shared.client() as client:
         if shared.prefill is None or "registry" not in shared.prefill.name:
             _start_prefill(shared, "prefill-registry", plugin=True)
         old = client.get_engine("prefill-0")
@@ -247,8 +302,8 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         assert superseded.value.current_engine_id == new.engine_id
 
         own = complete(prefill.url, shared.body())
-        answer, params = pd_complete(prefill.url, shared.decode.url, shared.body())
-        assert answer.status_code == 200, answer.text[:1000]
+        answer, params = shared.pd(prefill)
+        assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert params["remote_engine_id"] == new.engine_id
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
     shared.prefill.stop()

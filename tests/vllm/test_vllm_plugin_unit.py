@@ -1,6 +1,11 @@
-"""The plugin's pieces that need no vLLM: dormancy, the version gate, settings, DP ids."""
+"""The plugin's pieces that need no vLLM: dormancy, the version gate, settings, DP ids, and
+the first process's token check (against a scripted HTTP server)."""
 
 from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -49,3 +54,42 @@ def test_data_parallel_ids_follow_vllms_suffix() -> None:
         "5b0c1f7e-2a55-4d8e-9d0e-0f6c3f1b8a11",
         None,
     )
+
+
+class _Answer(BaseHTTPRequestHandler):
+    status = 401
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+    def do_GET(self) -> None:
+        code = {401: "unauthorized", 404: "not_found"}[self.status]
+        body = json.dumps({"title": "t", "status": self.status, "code": code,
+                           "detail": "A valid bearer token is required"}).encode()  # fmt: skip
+        self.send_response(self.status)
+        self.send_header("content-type", "application/problem+json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("status", [401, 404])
+def test_the_first_process_refuses_a_token_the_registry_refuses(status: int) -> None:
+    handler = type("Answer", (_Answer,), {"status": status})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = hook.Settings(
+        urls=f"http://127.0.0.1:{server.server_port}", group="g", token="wrong-token-xxxxxxxx",
+        role=None, ttl_s=30, timeout_s=5, launch_id="l",
+    )  # fmt: skip
+    try:
+        if status == 404:  # no engine yet: the token was accepted, nothing to refuse
+            hook.check_token(settings)
+            return
+        with pytest.raises(hook.PluginConfigError) as info:
+            hook.check_token(settings)
+        for words in ("refuses to start: unauthorized", "ENGINE_REGISTRY_TOKEN", "worker role"):
+            assert words in str(info.value)
+    finally:
+        server.shutdown()
+        server.server_close()

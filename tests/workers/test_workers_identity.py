@@ -108,6 +108,16 @@ def test_a_refused_open_fails_the_group_with_the_registrys_reason() -> None:
 
 
 @pytest.mark.usefixtures("one_rank_world")
+@pytest.mark.parametrize(("status", "code"), [(401, "unauthorized"), (403, "forbidden")])
+def test_a_refused_token_fails_the_group_naming_the_token(status: int, code: str) -> None:
+    client = client_for(lambda r: problem(status, code))
+    with pytest.raises(EngineIdentityError, match="ENGINE_REGISTRY_TOKEN") as info:
+        identity.sync_engine_id(client, "g", tp_size=1, role="prefill")
+    assert info.value.causes == {0: identity.UNAUTHORIZED}
+    assert f"{status} {code}" in info.value.details[0]
+
+
+@pytest.mark.usefixtures("one_rank_world")
 def test_a_tp_size_other_than_the_groups_is_refused_before_anything_is_opened() -> None:
     with pytest.raises(ValueError, match="tp_size"):
         identity.sync_engine_id(client_for(lambda r: httpx.Response(500)), "g", tp_size=2,
@@ -175,6 +185,12 @@ def test_a_rank_launched_for_another_group_id_blames_the_group_id() -> None:
     )
     assert verdict.cause == identity.DIFFERENT_GROUP
     assert "'g-typo'" in verdict.detail
+
+
+def test_a_rank_whose_token_its_registry_refuses_says_so() -> None:
+    verdict = diagnose({"/tp-groups/g/engine": problem(401, "unauthorized")})
+    assert (verdict.ok, verdict.cause) == (False, identity.UNAUTHORIZED)
+    assert "worker role" in verdict.detail
 
 
 def test_a_rank_whose_registry_is_unreachable_says_so() -> None:

@@ -31,12 +31,15 @@ from workers.client import RegistryClient
 from workers.errors import (
     EngineIdentityError,
     EngineIdMismatch,
+    Forbidden,
     NotFound,
     RegistryError,
+    Unauthorized,
 )
 from workers.identity import EngineIdentity, sync_engine_id
-from workers.models import Compat, Role
+from workers.models import Role
 from workers.vllm_plugin import ENV_URL, SUPPORTED_VLLM_VERSIONS
+from workers.vllm_plugin.compat import compat_of, vllm_version
 
 # A child of vLLM's logger, so lines appear in vLLM's output with its prefixes (rank, pid).
 log = logging.getLogger("vllm.engine_registry")
@@ -121,12 +124,6 @@ class _State:
 _state = _State()
 
 
-def vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
-
-
 def check_version(version: str | None = None) -> None:
     """Fail at start, clearly, on a vLLM whose hook point this plugin does not know."""
     version = version or vllm_version()
@@ -145,8 +142,11 @@ def install() -> None:
     check_version()
     # The first process of a launch (the API server, or a headless node's launcher) names
     # the launch; its engine core and workers inherit it through the environment.
+    first = ENV_LAUNCH not in os.environ
     os.environ.setdefault(ENV_LAUNCH, uuid.uuid4().hex)
-    Settings.from_env()
+    settings = Settings.from_env()
+    if first:
+        check_token(settings)
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -177,6 +177,22 @@ def install() -> None:
     log.debug("engine-registry plugin active (pid %d)", os.getpid())
 
 
+def check_token(settings: Settings) -> None:
+    """A token the registry refuses stops the launch in its first process, before vLLM loads
+    anything (the workers would refuse too, with the same cause, minutes later)."""
+    with RegistryClient(settings.urls, token=settings.token, timeout_s=5.0) as client:
+        try:
+            client.request("GET", f"/tp-groups/{settings.group}/engine")
+        except (Unauthorized, Forbidden) as exc:
+            raise PluginConfigError(
+                f"engine-registry: group {settings.group!r} refuses to start: unauthorized: "
+                f"registry {client.url} refused {ENV_TOKEN} ({exc}); set it to a token with "
+                "the worker role from the registry's tokens file"
+            ) from exc
+        except RegistryError:
+            return  # no engine yet, or unreachable: the workers' sync decides, with its cause
+
+
 # -- what every side computes the same way --------------------------------------------------
 
 
@@ -201,23 +217,6 @@ def _group_id(config: Any, settings: Settings) -> tuple[str, int, int]:
 def _vllm_engine_id(registry_id: str, dp_size: int, dp_rank: int) -> str:
     # vLLM's convention for data parallelism (v1/engine/core.py): one id per DP rank.
     return registry_id if dp_size == 1 else f"{registry_id}_dp{dp_rank}"
-
-
-def compat_of(config: Any) -> Compat:
-    """What a decode instance must share with a prefill one (flat, JSON scalars)."""
-    model = config.model_config
-    cache = config.cache_config
-    compat: Compat = {
-        "model": str(getattr(model, "model", "")),
-        "dtype": str(getattr(model, "dtype", "")).removeprefix("torch."),
-        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "auto")),
-        "kv_connector": str(config.kv_transfer_config.kv_connector),
-        "vllm_version": vllm_version().split("+", 1)[0],
-    }
-    block_size = getattr(cache, "block_size", None)
-    if isinstance(block_size, int):
-        compat["block_size"] = block_size
-    return compat
 
 
 # -- worker side ---------------------------------------------------------------------------

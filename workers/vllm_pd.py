@@ -1,0 +1,158 @@
+"""The PD request, as vLLM's `toy_proxy_server.py` sends it, with a deadline.
+
+Prefill gets the request with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode:
+true}`; decode gets the original request with the `kv_transfer_params` prefill answered, and
+pulls the prompt's KV over NIXL. Both calls share one deadline: a PD request that does not
+finish in time raises `PDTimeout` naming the stage that was waiting and, when the caller
+says where decode logs, decode's last log lines (a decode that waits forever on a KV
+transfer answers nothing itself).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+
+PD_TIMEOUT_S = 90.0
+
+
+class PDTimeout(TimeoutError):
+    """A PD request that did not finish within its deadline."""
+
+
+def _post(http: httpx.Client, url: str, body: Mapping[str, Any], deadline: float) -> httpx.Response:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise httpx.ReadTimeout(f"no time left for {url}")
+    return http.post(url, json=dict(body), timeout=httpx.Timeout(left))
+
+
+def pd_complete(
+    prefill_url: str,
+    decode_url: str,
+    body: Mapping[str, Any],
+    *,
+    timeout_s: float = PD_TIMEOUT_S,
+    decode_logs: Callable[[], str] | None = None,
+) -> tuple[httpx.Response, dict[str, Any]]:
+    """Prefill (max_tokens 1, do_remote_decode), then decode with prefill's kv_transfer_params.
+
+    Returns decode's response and the kv_transfer_params prefill handed over. Raises
+    `PDTimeout` when the two together take longer than `timeout_s`.
+    """
+    prefill_body = dict(body)
+    prefill_body.update(
+        max_tokens=1,
+        stream=False,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    )
+    prefill_body.pop("stream_options", None)
+    deadline = time.monotonic() + timeout_s
+    stage = f"prefill {prefill_url}"
+    try:
+        with httpx.Client(trust_env=False) as http:
+            first = _post(http, f"{prefill_url}/v1/completions", prefill_body, deadline)
+            first.raise_for_status()
+            params = dict(first.json().get("kv_transfer_params") or {})
+            decode_body = dict(body)
+            decode_body["kv_transfer_params"] = params
+            stage = f"decode {decode_url} (pulling KV from engine {params.get('remote_engine_id')})"
+            return _post(http, f"{decode_url}/v1/completions", decode_body, deadline), params
+    except httpx.TimeoutException as exc:
+        tail = decode_logs() if decode_logs is not None else "(decode's log not given)"
+        raise PDTimeout(
+            f"PD request did not finish within {timeout_s:.0f} s: {stage} had not answered "
+            f"({type(exc).__name__}). Decode's last log lines:\n{tail}"
+        ) from exc
+
+
+def complete(url: str, body: Mapping[str, Any], *, timeout_s: float = 120.0) -> httpx.Response:
+    with httpx.Client(timeout=timeout_s, trust_env=False) as http:
+        return http.post(f"{url}/v1/completions", json=dict(body))
+
+
+def nixl_transfers(decode_url: str) -> float:
+    """Decode's `vllm:nixl_xfer_time_seconds_count` (0 when absent)."""
+    text = httpx.get(f"{decode_url}/metrics", timeout=10.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:nixl_xfer_time_seconds_count"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Proxy:
+    """A tiny HTTP proxy: POST /v1/completions through prefill, then decode.
+
+    A PD request past its deadline answers 504 with decode's last log lines.
+    """
+
+    def __init__(
+        self,
+        prefill_url: str,
+        decode_url: str,
+        port: int | None = None,
+        *,
+        decode_logs: Callable[[], str] | None = None,
+        timeout_s: float = PD_TIMEOUT_S,
+    ):
+        self.prefill_url = prefill_url
+        self.decode_url = decode_url
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_POST(self) -> None:
+                if self.path != "/v1/completions":
+                    self.send_error(404)
+                    return
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                try:
+                    answer, _ = pd_complete(
+                        outer.prefill_url,
+                        outer.decode_url,
+                        body,
+                        timeout_s=timeout_s,
+                        decode_logs=decode_logs,
+                    )
+                    status, payload = answer.status_code, answer.content
+                except PDTimeout as exc:
+                    status, payload = 504, json.dumps({"error": str(exc)}).encode()
+                except httpx.HTTPError as exc:
+                    status, payload = 502, json.dumps({"error": str(exc)}).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port or 0), Handler)
+        self.port = int(self.server.server_port)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Proxy:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
