@@ -28,8 +28,9 @@ Environment:
     ENGINE_REGISTRY_TIMEOUT_S  deadline of each registry call at start (default 30)
     ENGINE_REGISTRY_REFUSE_EXIT_S  a worker that refused its identity exits this many seconds
                              after raising (default 10), so headless nodes stop too
-    ENGINE_REGISTRY_LAUNCH_ID  set by the plugin in the first process of a launch and inherited
-                             by its engine core and workers; do not set it yourself
+    ENGINE_REGISTRY_LAUNCH_ID  made up by the first process of a launch when unset, inherited
+                             by its engine core and workers; set it only to a value that changes
+                             exactly when the group is relaunched (a leader pod's UID)
 """
 
 from __future__ import annotations
