@@ -67,7 +67,7 @@ def vllm_python() -> str:
 
 
 def base_env() -> dict[str, str]:
-    """The environment that mattered for vLLM on these CPU machines (shared/VLLM-CPU.md)."""
+    """The environment that mattered for vLLM on these CPU machines (docs/vllm-plugin.md)."""
     env = {
         k: v
         for k, v in os.environ.items()
