@@ -1,4 +1,4 @@
-"""The wire shapes of shared/API.md. Request models are strict: wrong JSON types, unknown
+"""The wire shapes of docs/api.md. Request models are strict: wrong JSON types, unknown
 top-level fields and out-of-range values are refused (422) before anything is touched."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A typed, synchronous client for the registry's REST contract (shared/API.md).
+"""A typed, synchronous client for the registry's REST contract (docs/api.md).
 
 Policy, in one place:
 

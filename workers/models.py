@@ -1,4 +1,4 @@
-"""Typed views of the registry's JSON documents (shared/API.md).
+"""Typed views of the registry's JSON documents (docs/api.md).
 
 Parsing is tolerant of extra members (the contract lets the service add fields) and strict
 about the ones the workers rely on: a missing required member raises `KeyError`/`TypeError`

@@ -1,4 +1,4 @@
-"""Several replicas on one etcd keep the contract's guarantees (shared/API.md, "Replicas
+"""Several replicas on one etcd keep the contract's guarantees (docs/api.md, "Replicas
 agree"): one generation per launch, strictly increasing generations, waits that wake for
 writes made through another replica."""
 
