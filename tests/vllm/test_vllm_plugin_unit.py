@@ -4,6 +4,9 @@ the first process's token check (against a scripted HTTP server)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -17,7 +20,22 @@ from workers.vllm_plugin.resolve import split_dp_suffix
 def test_dormant_without_a_registry_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGINE_REGISTRY_URL", raising=False)
     assert not vllm_plugin.active()
-    vllm_plugin.register()  # returns without importing vLLM or touching anything
+    # In a fresh interpreter: register() imports neither the hooks nor vLLM, and changes no
+    # environment variable.
+    probe = (
+        "import os, sys; before = dict(os.environ);"
+        "import workers.vllm_plugin as p; p.register();"
+        "bad = sorted(m for m in sys.modules"
+        " if m.startswith(('vllm', 'workers.vllm_plugin.hook')));"
+        "changed = sorted(k for k in set(before) | set(os.environ)"
+        " if before.get(k) != os.environ.get(k));"
+        "print(bad, changed); sys.exit(1 if bad or changed else 0)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_REGISTRY_")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_an_unsupported_vllm_fails_naming_the_supported_versions() -> None:
