@@ -174,7 +174,7 @@ def serve(
         env=env,
         prefix=prefix,
         log_path=tmp_path / "registry.log",
-    ).start(timeout_s=30.0)
+    ).start(timeout_s=60.0)
 
 
 def log_of(proc: RegistryProcess) -> str:

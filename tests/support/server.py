@@ -53,7 +53,7 @@ class RegistryProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 20.0) -> RegistryProcess:
+    def start(self, timeout_s: float = 60.0) -> RegistryProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         cmd = [
             *self.prefix, sys.executable, "-m", "app", "serve",
