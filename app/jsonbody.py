@@ -87,9 +87,14 @@ def _check_text(text: str, loc: list[str | int]) -> None:
         ) from None
 
 
+# One decoder for every body (json.loads with hooks builds a new one per call).
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float)
+
+
 def parse(body: bytes) -> Any:
-    """``json.loads`` with this module's limits (see the module doc)."""
-    value = json.loads(body, parse_constant=_constant, parse_float=_float)
+    """``json.loads`` with this module's limits (see the module doc). Bodies are UTF-8
+    (RFC 8259); anything else is refused as not JSON."""
+    value = _DECODER.decode(body.decode("utf-8"))
     surrogates = _SURROGATE_ESCAPE.search(body) is not None
     nested = body.count(b"[") + body.count(b"{")
     if surrogates or nested > MAX_DEPTH or body.count(b",") + nested >= MAX_NODES:

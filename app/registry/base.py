@@ -94,7 +94,7 @@ class RegistryBase:
 
     async def _index(self, engine_id: str) -> IndexRecord | None:
         entry = await self.store.get(f"engines/{engine_id}")
-        return None if entry is None else IndexRecord.model_validate_json(entry.value)
+        return None if entry is None else self.decoded.record(entry, IndexRecord)
 
     async def resolve(self, engine_id: str) -> GroupState:
         index = await self._index(engine_id)
