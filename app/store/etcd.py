@@ -1,28 +1,22 @@
-"""The etcd store: a thin translation of the storage interface onto an etcd v3 cluster.
+"""The etcd store: a thin translation of the storage interface onto an etcd v3 cluster, one
+gRPC channel per endpoint (``aetcd``'s stubs, asyncio) and one RPC per call:
 
-Talks gRPC to etcd's own services (the stubs of ``aetcd``, asyncio), one channel per endpoint
-for the store's life. The interface was shaped after etcd, so every call is one RPC:
+- a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
+  header's revision answers, won or lost; a prefix delete is a DeleteRange;
+- leases are etcd leases, expiring on the cluster's clock with no registry alive; what one
+  has left is known when this store granted or renewed it, else asked once per
+  ``lease_cache_s`` (default: a third of its TTL, the renewal period) however many readers
+  want it. A lease only gains time (a renewal through another replica), so the figure is a
+  lower bound: asked again when it runs out with the entry still there;
+- ``range`` is one linearizable Range (never stale from a member without quorum);
+- ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
+  store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
+  every waiter, an answer from another member than a watch's makes its waiters re-read.
 
-- a transaction is one Txn: each compare is ``mod_revision == r``, or ``version == 0`` for
-  "absent"; a prefix delete is a DeleteRange with the prefix's range end; the answer's header
-  carries the revision, won or lost;
-- leases are etcd leases: they expire on the cluster's own clock, with no registry alive;
-- ``range`` is one linearizable Range (never a stale answer from a member without quorum),
-  plus the remaining time of the leases it saw. What a lease has left is known without asking
-  when this store granted or renewed it, and asked at most once per ``lease_cache_s`` (a
-  third of its TTL by default, the renewal period) otherwise: a lease only ever gains time,
-  so a remembered figure is a lower bound, never a promise the cluster does not keep;
-- ``wait`` shares one watch per prefix among all its waiters, and one linearizable probe per
-  ``probe_interval_s`` for the whole store while anyone waits, so that a waiter learns of a
-  lost quorum without waiting out its time and a watch left on a member the store failed
-  over from is dropped.
-
-Every call has one deadline, ``timeout_s``, shared among the endpoints: the preferred one is
-tried first and, when it fails or stalls, the next, each with a fair share of the time left;
-gRPC carries the share to etcd too. At most ``max_in_flight`` calls are on the wire at once;
-the others queue within the same deadline. Whatever goes wrong below surfaces as
-:class:`StoreUnavailable`, never as a hang. Keys live under ``/{prefix}/``; replicas on one
-prefix share everything.
+Every call has one deadline, ``timeout_s`` (also gRPC's), shared among the endpoints, the
+preferred first, each with a fair share of the time left; at most ``max_in_flight`` calls
+are in flight, the rest queue within the same deadline. Whatever goes wrong surfaces as
+:class:`StoreUnavailable`, never as a hang. Keys live under ``/{prefix}/``.
 """
 
 from __future__ import annotations
@@ -93,14 +87,12 @@ def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
 
 
 class _Hub:
-    """One watch on a top-level key segment (``groups/``), shared by every waiter on any
-    prefix under it: a waiter costs no RPC, and a burst of waiters no burst of watches."""
+    """One watch on a top-level segment (``groups/``) for every waiter on a prefix under it."""
 
     def __init__(self, start: int, index: int) -> None:
         loop = asyncio.get_running_loop()
-        self.start = start  # the watch delivers every change from this revision on
         self.index = index  # the endpoint it watches through
-        self.progress = start - 1  # every change up to here has been dispatched
+        self.progress = start - 1  # every change up to this revision has been dispatched
         self.since: dict[str, int] = {}  # prefix → first revision tracked for it
         self.latest: dict[str, int] = {}  # prefix → revision of its last change seen
         self.changed: dict[str, asyncio.Future[None]] = {}
@@ -151,14 +143,13 @@ class EtcdStore(Store):
         self._slots = asyncio.Semaphore(max_in_flight)
         self._clients: list[aetcd.Client | None] = [None] * len(self.endpoints)
         self._preferred = 0
-        # lease id → (monotonic time learned, monotonic expiry then, granted TTL)
-        self._leases: dict[int, tuple[float, float, int]] = {}
+        # lease id → (monotonic time until which it is known, monotonic expiry as known)
+        self._leases: dict[int, tuple[float, float]] = {}
         self._asking: dict[int, asyncio.Task[float]] = {}
         self._hubs: dict[str, _Hub] = {}
         self._waiters = 0
         self._prober: asyncio.Task[None] | None = None
         self._trouble: asyncio.Future[StoreUnavailable] | None = None
-        self._chores: set[asyncio.Task[None]] = set()
         self._closed = False
 
     @classmethod
@@ -190,10 +181,10 @@ class EtcdStore(Store):
 
     async def _call(self, what: str, fn: Callable[[aetcd.Client, float], Awaitable[T]]) -> T:
         """Run ``fn(client, seconds)`` on the preferred endpoint, failing over to the others,
-        round after round, all within ``timeout_s``, once one of ``max_in_flight`` slots is
-        free. A member that answers at once with an error (no leader yet, leader changed,
-        connection refused) costs a try, not the deadline: elections last about a second, so
-        rounds go on with a short pause until it passes.
+        round after round, all within ``timeout_s`` (a wait for one of the ``max_in_flight``
+        slots included). A member that answers at once with an error (no leader yet, leader
+        changed, connection refused) costs a try, not the deadline: elections last about a
+        second, so rounds go on with a short pause until it passes.
 
         ``fn`` must be safe to repeat: an attempt that timed out may have been applied (a
         repeated compare-and-set then loses, and its caller re-reads)."""
@@ -201,67 +192,51 @@ class EtcdStore(Store):
             raise StoreUnavailable("The etcd store is closed (the service is shutting down).")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
+        n = len(self.endpoints)
         try:
             async with asyncio.timeout_at(deadline):
                 await self._slots.acquire()
         except TimeoutError:
-            raise StoreUnavailable(
-                f"etcd did not take the {what} within {self._timeout_s:g} s: this replica "
-                f"already had {self._max_in_flight} calls waiting on etcd. etcd answers slower "
-                "than the load arrives: check its disk and CPU, or add registry replicas."
-            ) from None
-        queued = self._timeout_s - (deadline - loop.time())
-        try:
-            return await self._attempts(what, fn, deadline, queued)
-        finally:
-            self._slots.release()
-
-    async def _attempts(
-        self,
-        what: str,
-        fn: Callable[[aetcd.Client, float], Awaitable[T]],
-        deadline: float,
-        queued: float,
-    ) -> T:
-        loop = asyncio.get_running_loop()
-        n = len(self.endpoints)
+            busy = f"all {self._max_in_flight} calls this replica may have in flight stayed busy"
+            raise self._unavailable(what, [busy]) from None
         failures: list[str] = []
         start = self._preferred
-        for attempt in range(_MAX_TRIES):
-            if attempt and attempt % n == 0:  # every endpoint failed this round
-                pause = min(0.05 * (attempt // n), 0.25, deadline - loop.time())
-                await asyncio.sleep(max(0.0, pause))
-            # A fair share of the time left for each endpoint not yet tried this round.
-            budget = (deadline - loop.time()) / (n - attempt % n)
-            if budget <= 0:
-                break
-            index = (start + attempt) % n
-            host, port = self.endpoints[index]
-            try:
-                async with asyncio.timeout(budget):
-                    return await fn(await self._client(index), budget)
-            except TimeoutError:
-                failures.append(f"{host}:{port}: no answer within {budget:.1f} s")
-            except rpc.AioRpcError as exc:
-                if exc.code() == rpc.StatusCode.INVALID_ARGUMENT:
-                    raise self._refused(what, exc.details()) from exc
-                failures.append(f"{host}:{port}: {exc.code().name} {exc.details()}")
-            except aetcd.InvalidArgumentError as exc:
-                raise self._refused(what, str(exc)) from exc
-            except (aetcd.ClientError, OSError) as exc:
-                failures.append(f"{host}:{port}: {exc!r}")
-            if self._preferred == index:
-                self._preferred = (index + 1) % n
-        raise StoreUnavailable(
-            f"etcd did not answer the {what} within {self._timeout_s:g} s "
-            f"({len(failures)} tries; last: {'; '.join(failures[-n:]) or 'no time left'}"
-            + (
-                f"; {queued:.1f} s of it queued behind {self._max_in_flight} calls in flight"
-                if queued > 0.1 * self._timeout_s
-                else ""
-            )
-            + "). Check that a majority of the etcd members is up and reachable from this "
-            "replica, and that etcd is not overloaded (its disk and CPU)."
+        try:
+            for attempt in range(_MAX_TRIES):
+                if attempt and attempt % n == 0:  # every endpoint failed this round
+                    pause = min(0.05 * (attempt // n), 0.25, deadline - loop.time())
+                    await asyncio.sleep(max(0.0, pause))
+                # A fair share of the time left for each endpoint not yet tried this round.
+                budget = (deadline - loop.time()) / (n - attempt % n)
+                if budget <= 0:
+                    break
+                index = (start + attempt) % n
+                where = "{}:{}".format(*self.endpoints[index])
+                try:
+                    async with asyncio.timeout(budget):
+                        return await fn(await self._client(index), budget)
+                except TimeoutError:
+                    failures.append(f"{where}: no answer within {budget:.1f} s")
+                except rpc.AioRpcError as exc:
+                    if exc.code() == rpc.StatusCode.INVALID_ARGUMENT:
+                        raise self._refused(what, exc.details()) from exc
+                    failures.append(f"{where}: {exc.code().name} {exc.details()}")
+                except aetcd.InvalidArgumentError as exc:
+                    raise self._refused(what, str(exc)) from exc
+                except (aetcd.ClientError, OSError) as exc:
+                    failures.append(f"{where}: {exc!r}")
+                if self._preferred == index:
+                    self._preferred = (index + 1) % n
+        finally:
+            self._slots.release()
+        raise self._unavailable(what, failures[-n:], len(failures))
+
+    def _unavailable(self, what: str, last: list[str], tries: int = 0) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"etcd did not answer the {what} within {self._timeout_s:g} s ({tries} tries; "
+            f"last: {'; '.join(last) or 'no time left'}). Check that a majority of the etcd "
+            "members is up and reachable from this replica, and that etcd keeps up (its disk "
+            "and CPU)."
         )
 
     @staticmethod
@@ -298,7 +273,7 @@ class EtcdStore(Store):
         ask: list[int] = []
         for lease in leases:
             known = self._leases.get(lease)
-            if known is not None and now - known[0] < self._trust_s(known[2]):
+            if known is not None and now < known[0]:
                 out[lease] = max(0.0, known[1] - now)
             else:
                 ask.append(lease)
@@ -310,9 +285,6 @@ class EtcdStore(Store):
             out.update(zip(ask, found, strict=True))
         return out
 
-    def _trust_s(self, ttl: int) -> float:
-        return self._lease_cache_s if self._lease_cache_s is not None else ttl / 3
-
     async def _ask_lease(self, lease: int) -> float:
         request = rpc.LeaseTimeToLiveRequest(ID=lease)
         try:
@@ -322,17 +294,21 @@ class EtcdStore(Store):
         finally:
             self._asking.pop(lease, None)
         remaining = max(0.0, float(info.TTL))
-        self._remember(lease, remaining, int(info.grantedTTL))
+        trust = self._lease_cache_s if self._lease_cache_s is not None else info.grantedTTL / 3
+        self._remember(lease, remaining, trust)
         return remaining
 
-    def _remember(self, lease: int, remaining: float | None, ttl: int = 0) -> None:
+    def _remember(self, lease: int, remaining: float | None, trust: float | None = None) -> None:
+        """Note what a lease has left, known for ``trust`` seconds (its own grant or renewal
+        here: until it runs out, since only a renewal elsewhere could change it, and only
+        by adding time)."""
         if remaining is None:
             self._leases.pop(lease, None)
             return
         now = time.monotonic()
         if len(self._leases) > 50_000:  # bounded: drop the expired ones
             self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
-        self._leases[lease] = (now, now + remaining, ttl)
+        self._leases[lease] = (now + (remaining if trust is None else trust), now + remaining)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -375,7 +351,7 @@ class EtcdStore(Store):
             "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
         )
         lease = Lease(int(granted.ID), int(granted.TTL), float(granted.TTL))
-        self._remember(lease.id, lease.remaining_s, lease.ttl_s)
+        self._remember(lease.id, lease.remaining_s)
         return lease
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
@@ -394,10 +370,7 @@ class EtcdStore(Store):
             return Lease(lease_id, int(reply.TTL), float(reply.TTL))
 
         lease = await self._call("lease refresh", fn)
-        if lease is None:
-            self._remember(lease_id, None)
-        else:
-            self._remember(lease_id, lease.remaining_s, lease.ttl_s)
+        self._remember(lease_id, lease.remaining_s if lease else None)
         return lease
 
     async def revoke_lease(self, lease_id: int) -> None:
@@ -480,25 +453,16 @@ class EtcdStore(Store):
             pass
         finally:
             self._bury(segment, hub)
-            if not self._closed:
-                self._chore(watch.cancel())
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(watch.cancel(), 1.0)  # else etcd streams on to nobody
 
     def _bury(self, segment: str, hub: _Hub) -> None:
         if self._hubs.get(segment) is hub:
             del self._hubs[segment]
         if not hub.dead.done():
             hub.dead.set_result(None)
-        if hub.task is not None:
+        if hub.task is not None and hub.task is not asyncio.current_task():
             hub.task.cancel()
-
-    def _chore(self, work: Awaitable[Any]) -> None:
-        async def bounded() -> None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(work, 5.0)
-
-        task = asyncio.create_task(bounded())
-        self._chores.add(task)
-        task.add_done_callback(self._chores.discard)
 
     def _watch_health(self) -> asyncio.Future[StoreUnavailable]:
         """The future a failed probe resolves, with a prober running to resolve it."""
@@ -533,7 +497,7 @@ class EtcdStore(Store):
         if self._closed:
             return
         self._closed = True
-        for task in [self._prober, *(h.task for h in self._hubs.values()), *self._chores]:
+        for task in [self._prober, *(h.task for h in self._hubs.values())]:
             if task is not None:
                 task.cancel()
         self._hubs.clear()
