@@ -57,6 +57,11 @@ def _serve(args: argparse.Namespace) -> int:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
+        # Idle connections stay open 75 s, not uvicorn's 5 s: clients keep idle connections
+        # pooled longer (aiohttp 15 s; httpx 5 s, the same instant), and a request sent on a
+        # connection the server closes at that moment is reset (ECONNRESET). A slow store
+        # leaves a storm's connections idle past 5 s: that reset the 4,096-rank storm on etcd.
+        timeout_keep_alive=75,
     )
     return 0
 
