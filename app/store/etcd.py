@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -32,16 +31,8 @@ from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
 from app.errors import StoreUnavailable
-from app.store.base import (
-    Compare,
-    Entry,
-    Lease,
-    Op,
-    Put,
-    Snapshot,
-    Store,
-    TxnResult,
-)
+from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.etcd_state import LeaseBook, WatchHub
 
 T = TypeVar("T")
 
@@ -86,38 +77,6 @@ def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
     return endpoints, prefix
 
 
-class _Hub:
-    """One watch on a top-level segment (``groups/``) for every waiter on a prefix under it."""
-
-    def __init__(self, start: int, index: int) -> None:
-        loop = asyncio.get_running_loop()
-        self.index = index  # the endpoint it watches through
-        self.progress = start - 1  # every change up to this revision has been dispatched
-        self.since: dict[str, int] = {}  # prefix → first revision tracked for it
-        self.latest: dict[str, int] = {}  # prefix → revision of its last change seen
-        self.changed: dict[str, asyncio.Future[None]] = {}
-        self.opened: asyncio.Future[None] = loop.create_future()
-        self.dead: asyncio.Future[None] = loop.create_future()
-        self.task: asyncio.Task[None] | None = None
-
-    def track(self, prefix: str) -> int:
-        if prefix not in self.since:
-            if len(self.since) > 100_000:  # bounded: a forgotten prefix only wakes once
-                self.since.clear()
-                self.latest.clear()
-            self.since[prefix] = self.progress + 1
-        return self.since[prefix]
-
-    def dispatch(self, key: str, revision: int) -> None:
-        self.progress = revision
-        for i in range(len(key) + 1):
-            if key[:i] in self.since:
-                self.latest[key[:i]] = revision
-                waiting = self.changed.pop(key[:i], None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_result(None)
-
-
 class EtcdStore(Store):
     def __init__(
         self,
@@ -138,15 +97,13 @@ class EtcdStore(Store):
         )
         self._timeout_s = timeout_s
         self._probe_interval_s = probe_interval_s
-        self._lease_cache_s = lease_cache_s
         self._max_in_flight = max_in_flight
         self._slots = asyncio.Semaphore(max_in_flight)
         self._clients: list[aetcd.Client | None] = [None] * len(self.endpoints)
         self._preferred = 0
-        # lease id → (monotonic time until which it is known, monotonic expiry as known)
-        self._leases: dict[int, tuple[float, float]] = {}
+        self._leases = LeaseBook(lease_cache_s)
         self._asking: dict[int, asyncio.Task[float]] = {}
-        self._hubs: dict[str, _Hub] = {}
+        self._hubs: dict[str, WatchHub] = {}
         self._waiters = 0
         self._prober: asyncio.Task[None] | None = None
         self._trouble: asyncio.Future[StoreUnavailable] | None = None
@@ -268,22 +225,14 @@ class EtcdStore(Store):
         return Snapshot(entries, int(reply.header.revision), remaining)
 
     async def _remaining(self, leases: set[int]) -> dict[int, float]:
-        now = time.monotonic()
-        out: dict[int, float] = {}
-        ask: list[int] = []
-        for lease in leases:
-            known = self._leases.get(lease)
-            if known is not None and now < known[0]:
-                out[lease] = max(0.0, known[1] - now)
-            else:
-                ask.append(lease)
-        if ask:  # one question per lease however many readers want it at once
-            for lease in ask:
-                if lease not in self._asking:
-                    self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
-            found = await asyncio.gather(*(asyncio.shield(self._asking[k]) for k in ask))
-            out.update(zip(ask, found, strict=True))
-        return out
+        known = {lease: self._leases.remaining(lease) for lease in leases}
+        out = {lease: left for lease, left in known.items() if left is not None}
+        ask = [lease for lease, left in known.items() if left is None]
+        for lease in ask:  # one question per lease however many readers want it at once
+            if lease not in self._asking:
+                self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
+        found = await asyncio.gather(*(asyncio.shield(self._asking[k]) for k in ask))
+        return out | dict(zip(ask, found, strict=True))
 
     async def _ask_lease(self, lease: int) -> float:
         request = rpc.LeaseTimeToLiveRequest(ID=lease)
@@ -293,22 +242,8 @@ class EtcdStore(Store):
             )
         finally:
             self._asking.pop(lease, None)
-        remaining = max(0.0, float(info.TTL))
-        trust = self._lease_cache_s if self._lease_cache_s is not None else info.grantedTTL / 3
-        self._remember(lease, remaining, trust)
-        return remaining
-
-    def _remember(self, lease: int, remaining: float | None, trust: float | None = None) -> None:
-        """Note what a lease has left, known for ``trust`` seconds (its own grant or renewal
-        here: until it runs out, since only a renewal elsewhere could change it, and only
-        by adding time)."""
-        if remaining is None:
-            self._leases.pop(lease, None)
-            return
-        now = time.monotonic()
-        if len(self._leases) > 50_000:  # bounded: drop the expired ones
-            self._leases = {k: v for k, v in self._leases.items() if v[1] > now}
-        self._leases[lease] = (now + (remaining if trust is None else trust), now + remaining)
+        self._leases.asked(lease, max(0.0, float(info.TTL)), int(info.grantedTTL))
+        return max(0.0, float(info.TTL))
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -351,7 +286,7 @@ class EtcdStore(Store):
             "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
         )
         lease = Lease(int(granted.ID), int(granted.TTL), float(granted.TTL))
-        self._remember(lease.id, lease.remaining_s)
+        self._leases.granted(lease.id, lease.remaining_s)
         return lease
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
@@ -370,7 +305,7 @@ class EtcdStore(Store):
             return Lease(lease_id, int(reply.TTL), float(reply.TTL))
 
         lease = await self._call("lease refresh", fn)
-        self._remember(lease_id, lease.remaining_s if lease else None)
+        self._leases.granted(lease_id, lease.remaining_s if lease else None)
         return lease
 
     async def revoke_lease(self, lease_id: int) -> None:
@@ -384,7 +319,7 @@ class EtcdStore(Store):
                     raise
 
         await self._call("lease revoke", fn)
-        self._remember(lease_id, None)
+        self._leases.granted(lease_id, None)
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -402,8 +337,7 @@ class EtcdStore(Store):
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return False
-                changed = hub.changed.setdefault(prefix, loop.create_future())
-                either: list[asyncio.Future[Any]] = [changed, trouble, hub.dead]
+                either: list[asyncio.Future[Any]] = [hub.next_change(prefix), trouble, hub.dead]
                 await asyncio.wait(either, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
                 if trouble.done():
                     raise StoreUnavailable(trouble.result().detail)
@@ -414,12 +348,12 @@ class EtcdStore(Store):
         finally:
             self._waiters -= 1
 
-    async def _hub(self, segment: str, start: int) -> _Hub | None:
+    async def _hub(self, segment: str, start: int) -> WatchHub | None:
         hub = self._hubs.get(segment)
         if hub is not None:
             await asyncio.shield(hub.opened)
             return hub
-        hub = self._hubs[segment] = _Hub(start, self._preferred)
+        hub = self._hubs[segment] = WatchHub(start, self._preferred)
         key = self._key(segment)
 
         async def open_watch(client: aetcd.Client, _: float) -> Any:
@@ -445,7 +379,7 @@ class EtcdStore(Store):
         hub.task = asyncio.create_task(self._follow(segment, hub, watch))
         return hub
 
-    async def _follow(self, segment: str, hub: _Hub, watch: Any) -> None:
+    async def _follow(self, segment: str, hub: WatchHub, watch: Any) -> None:
         try:
             async for event in watch:
                 hub.dispatch(self._unkey(event.kv.key), int(event.kv.mod_revision))
@@ -456,13 +390,10 @@ class EtcdStore(Store):
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(watch.cancel(), 1.0)  # else etcd streams on to nobody
 
-    def _bury(self, segment: str, hub: _Hub) -> None:
+    def _bury(self, segment: str, hub: WatchHub) -> None:
         if self._hubs.get(segment) is hub:
             del self._hubs[segment]
-        if not hub.dead.done():
-            hub.dead.set_result(None)
-        if hub.task is not None and hub.task is not asyncio.current_task():
-            hub.task.cancel()
+        hub.end()
 
     def _watch_health(self) -> asyncio.Future[StoreUnavailable]:
         """The future a failed probe resolves, with a prober running to resolve it."""
