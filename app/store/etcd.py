@@ -103,6 +103,7 @@ class EtcdStore(Store):
         self._preferred = 0
         self._leases = LeaseBook(lease_cache_s)
         self._asking: dict[int, asyncio.Task[float]] = {}
+        self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
         self._hubs: dict[str, WatchHub] = {}
         self._waiters = 0
         self._prober: asyncio.Task[None] | None = None
@@ -210,15 +211,42 @@ class EtcdStore(Store):
 
     # -- reads -----------------------------------------------------------------------------
 
+    async def _read(self, key: bytes, end: bytes = b"") -> Any:
+        """One linearizable Range, shared by every identical read that comes before it is
+        sent (while it waits for a slot, say): each of them began before the read did, so
+        the answer is linearizable for all. A storm's reads come in such bursts (the ranks
+        of a group fetching its engine at once, the waiters on it waking at once)."""
+        pending = self._reads.get((key, end)) or self._send_read(key, end)
+        try:
+            return await asyncio.shield(pending)
+        except StoreUnavailable as exc:
+            raise StoreUnavailable(exc.detail) from exc  # each reader its own
+
+    def _send_read(self, key: bytes, end: bytes) -> asyncio.Future[Any]:
+        request = rpc.RangeRequest(key=key, range_end=end)
+
+        def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
+            settle(read)  # sent: later readers need a read of their own
+            reply: Awaitable[Any] = client.kvstub.Range(request, timeout=seconds)
+            return reply
+
+        def settle(done: asyncio.Future[Any]) -> None:
+            if self._reads.get((key, end)) is done:
+                del self._reads[(key, end)]
+            if done.done() and not done.cancelled():
+                done.exception()  # retrieved: its readers raise their own
+
+        read = self._reads[(key, end)] = asyncio.ensure_future(self._call("read", send))
+        read.add_done_callback(settle)
+        return read
+
     async def get(self, key: str) -> Entry | None:
-        request = rpc.RangeRequest(key=self._key(key))
-        reply = await self._call("read", lambda c, t: c.kvstub.Range(request, timeout=t))
+        reply = await self._read(self._key(key))
         return self._entry(reply.kvs[0]) if reply.kvs else None
 
     async def range(self, prefix: str) -> Snapshot:
         start = self._key(prefix)
-        request = rpc.RangeRequest(key=start, range_end=prefix_range_end(start))
-        reply = await self._call("read", lambda c, t: c.kvstub.Range(request, timeout=t))
+        reply = await self._read(start, prefix_range_end(start))
         entries = [self._entry(kv) for kv in reply.kvs]  # etcd answers in key order
         leases = {e.lease for e in entries if e.lease is not None}
         remaining = await self._remaining(leases) if leases else {}

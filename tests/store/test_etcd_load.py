@@ -175,3 +175,34 @@ def test_a_frozen_etcd_answers_store_unavailable_within_the_bound_under_load(
         assert all(re.search(r"etcd did not (answer|take)", d) for d in details), details
 
     run(body)
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_identical_reads_is_one_read_and_sees_every_earlier_write(
+    etcd: EtcdCluster,
+) -> None:
+    """The 7 ranks of a group fetching its engine at once, 50 groups over: reads of one
+    prefix issued before the first is sent share it, and each sees what was written first."""
+
+    async def body() -> None:
+        store = EtcdStore([endpoint(etcd)], uuid.uuid4().hex, timeout_s=5.0)
+        try:
+            await store.txn([], [Put(f"groups/g{g}/engine", b"e") for g in range(50)])
+            before = await asyncio.to_thread(started, etcd, "Range")
+            snaps = await asyncio.gather(
+                *(store.range(f"groups/g{g}/") for g in range(50) for _ in range(7))
+            )
+            reads = await asyncio.to_thread(started, etcd, "Range") - before
+            for g in range(3):  # a read after a write sees it, however reads are shared
+                rival = asyncio.create_task(store.range(f"groups/g{g}/"))
+                await store.txn([], [Put(f"groups/g{g}/agents/0", b"a")])
+                snap = await store.range(f"groups/g{g}/")
+                assert [e.key for e in snap.entries][-1] == f"groups/g{g}/engine"
+                assert any(e.key.endswith("agents/0") for e in snap.entries), snap
+                await rival
+        finally:
+            await store.close()
+        assert all(len(s.entries) == 1 for s in snaps)
+        assert reads <= 60, f"350 reads of 50 prefixes sent {reads:g} reads to etcd"
+
+    run(body)
