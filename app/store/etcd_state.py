@@ -110,8 +110,13 @@ class KeepAliveStream:
         self.waiting.setdefault(lease_id, deque()).append(answer)
         try:
             async with self.lock:
+                if self.broken:  # ended while this renewal waited for its turn to write
+                    raise ConnectionError("the lease keep-alive stream to etcd ended")
                 await self.call.write(self.request(ID=lease_id))
-        except BaseException:
+        except Exception as exc:
+            self.close()
+            raise ConnectionError(f"the lease keep-alive stream to etcd ended: {exc!r}") from exc
+        except BaseException:  # cancelled mid-write: the order may have slipped
             self.close()
             raise
         return await asyncio.shield(answer)
