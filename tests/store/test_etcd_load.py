@@ -206,3 +206,37 @@ def test_a_burst_of_identical_reads_is_one_read_and_sees_every_earlier_write(
         assert reads <= 60, f"350 reads of 50 prefixes sent {reads:g} reads to etcd"
 
     run(body)
+
+
+@pytest.mark.timeout(60)
+def test_renewals_in_flight_when_etcd_dies_fail_over_or_answer_503_never_500(
+    etcd: EtcdCluster,
+) -> None:
+    """Heartbeats share one keep-alive stream: when it ends under them (etcd killed and
+    restarted), each renewal is answered (a Lease), or StoreUnavailable, nothing else."""
+
+    async def body() -> None:
+        store = EtcdStore([endpoint(etcd)], uuid.uuid4().hex, timeout_s=3.0)
+        try:
+            leases = [await store.grant_lease(60) for _ in range(50)]
+            await asyncio.gather(*(store.refresh_lease(lease.id) for lease in leases))
+
+            async def kill_and_restart() -> None:
+                await asyncio.sleep(0.05)
+                await asyncio.to_thread(etcd.kill, 0)
+                await asyncio.to_thread(etcd.restart, 0)
+
+            chaos = asyncio.create_task(kill_and_restart())
+            answers = await asyncio.gather(
+                *(store.refresh_lease(lease.id) for lease in leases * 8), return_exceptions=True
+            )
+            await chaos
+            await asyncio.to_thread(etcd.wait_healthy, 30.0)
+            odd = [a for a in answers if a is not None and type(a).__name__ not in ("Lease",)]
+            assert all(isinstance(a, StoreUnavailable) for a in odd), odd[:3]
+            after = await asyncio.gather(*(store.refresh_lease(lease.id) for lease in leases))
+            assert all(a is not None and a.remaining_s > 30 for a in after), after[:3]
+        finally:
+            await store.close()
+
+    run(body)
