@@ -172,14 +172,18 @@ class EtcdStore(Store):
                 index = (start + attempt) % n
                 where = "{}:{}".format(*self.endpoints[index])
                 try:
-                    async with asyncio.timeout(budget):
-                        return await fn(await self._client(index), budget)
+                    # The deadline travels with the RPC (gRPC's own): it bounds etcd's answer,
+                    # not the turns this process takes to read an answer that came in time.
+                    return await fn(await self._client(index), budget)
                 except TimeoutError:
                     failures.append(f"{where}: no answer within {budget:.1f} s")
                 except rpc.AioRpcError as exc:
                     if exc.code() == rpc.StatusCode.INVALID_ARGUMENT:
                         raise self._refused(what, exc.details()) from exc
-                    failures.append(f"{where}: {exc.code().name} {exc.details()}")
+                    if exc.code() == rpc.StatusCode.DEADLINE_EXCEEDED:
+                        failures.append(f"{where}: no answer within {budget:.1f} s")
+                    else:
+                        failures.append(f"{where}: {exc.code().name} {exc.details()}")
                 except aetcd.InvalidArgumentError as exc:
                     raise self._refused(what, str(exc)) from exc
                 except (aetcd.ClientError, OSError) as exc:
@@ -319,13 +323,13 @@ class EtcdStore(Store):
         return lease
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
-        async def fn(client: aetcd.Client, _: float) -> Lease | None:
+        async def fn(client: aetcd.Client, seconds: float) -> Lease | None:
             index = self._clients.index(client)
             stream = self._renewals.get(index)
             if stream is None or stream.broken:
                 call = client.leasestub.LeaseKeepAlive()
                 stream = self._renewals[index] = KeepAliveStream(call, rpc.LeaseKeepAliveRequest)
-            reply = await stream.renew(lease_id)
+            reply = await stream.renew(lease_id, seconds)
             if reply.TTL <= 0:
                 return None  # etcd answers TTL 0 for a lease it no longer has
             return Lease(lease_id, int(reply.TTL), float(reply.TTL))
@@ -382,12 +386,12 @@ class EtcdStore(Store):
         hub = self._hubs[segment] = WatchHub(start, self._preferred)
         key = self._key(segment)
 
-        async def open_watch(client: aetcd.Client, _: float) -> Any:
+        async def open_watch(client: aetcd.Client, seconds: float) -> Any:
             hub.index = self._clients.index(client)
             try:
-                return await client.watch(
-                    key, range_end=prefix_range_end(key), start_revision=start
-                )
+                async with asyncio.timeout(seconds):
+                    end = prefix_range_end(key)
+                    return await client.watch(key, range_end=end, start_revision=start)
             except aetcd.RevisionCompactedError:
                 return None  # history is gone: report a change, the caller re-reads
 

@@ -103,23 +103,23 @@ class KeepAliveStream:
         self.broken = False
         self.reader = asyncio.create_task(self._read())
 
-    async def renew(self, lease_id: int) -> Any:
-        if self.broken:
-            raise ConnectionError("the lease keep-alive stream to etcd ended")
-        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.waiting.setdefault(lease_id, deque()).append(answer)
-        try:
-            async with self.lock:
-                if self.broken:  # ended while this renewal waited for its turn to write
+    async def renew(self, lease_id: int, seconds: float) -> Any:
+        async with asyncio.timeout(seconds):
+            async with self.lock:  # cancelled while waiting here: nothing written, no harm
+                if self.broken:
                     raise ConnectionError("the lease keep-alive stream to etcd ended")
-                await self.call.write(self.request(ID=lease_id))
-        except Exception as exc:
-            self.close()
-            raise ConnectionError(f"the lease keep-alive stream to etcd ended: {exc!r}") from exc
-        except BaseException:  # cancelled mid-write: the order may have slipped
-            self.close()
-            raise
-        return await asyncio.shield(answer)
+                answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self.waiting.setdefault(lease_id, deque()).append(answer)
+                try:
+                    await self.call.write(self.request(ID=lease_id))
+                except BaseException as exc:  # failed or cut mid-write: the order may slip
+                    self.close()
+                    if isinstance(exc, Exception):
+                        raise ConnectionError(
+                            f"the lease keep-alive stream ended: {exc!r}"
+                        ) from exc
+                    raise
+            return await asyncio.shield(answer)
 
     async def _read(self) -> None:
         try:
