@@ -32,7 +32,7 @@ from aetcd.utils import prefix_range_end
 
 from app.errors import StoreUnavailable
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
-from app.store.etcd_state import KeepAliveStream, LeaseBook, WatchHub
+from app.store.etcd_state import LeaseBook, WatchHub
 
 T = TypeVar("T")
 
@@ -104,7 +104,6 @@ class EtcdStore(Store):
         self._leases = LeaseBook(lease_cache_s)
         self._asking: dict[int, asyncio.Task[float]] = {}
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
-        self._renewals: dict[int, KeepAliveStream] = {}  # endpoint index → its stream
         self._hubs: dict[str, WatchHub] = {}
         self._waiters = 0
         self._prober: asyncio.Task[None] | None = None
@@ -323,14 +322,19 @@ class EtcdStore(Store):
         return lease
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
+        request = rpc.LeaseKeepAliveRequest(ID=lease_id)
+
         async def fn(client: aetcd.Client, seconds: float) -> Lease | None:
-            index = self._clients.index(client)
-            stream = self._renewals.get(index)
-            if stream is None or stream.broken:
-                call = client.leasestub.LeaseKeepAlive()
-                stream = self._renewals[index] = KeepAliveStream(call, rpc.LeaseKeepAliveRequest)
-            reply = await stream.renew(lease_id, seconds)
-            if reply.TTL <= 0:
+            # A stream per renewal: renewals through one shared stream queue behind each
+            # other's writes, a turn of this process's loop each (heartbeats timed out).
+            call = client.leasestub.LeaseKeepAlive(timeout=seconds)
+            try:
+                await call.write(request)
+                await call.done_writing()
+                reply = await call.read()
+            finally:
+                call.cancel()
+            if not hasattr(reply, "TTL") or reply.TTL <= 0:
                 return None  # etcd answers TTL 0 for a lease it no longer has
             return Lease(lease_id, int(reply.TTL), float(reply.TTL))
 
@@ -461,8 +465,6 @@ class EtcdStore(Store):
         for task in [self._prober, *(h.task for h in self._hubs.values())]:
             if task is not None:
                 task.cancel()
-        for stream in self._renewals.values():
-            stream.close()
         self._hubs.clear()
         clients = [c for c in self._clients if c is not None]
         self._clients = [None] * len(self.endpoints)

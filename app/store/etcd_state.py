@@ -1,13 +1,10 @@
-"""What the etcd store keeps beside its calls: what it knows of leases, what its shared
-watches have seen, and its one lease keep-alive stream per endpoint. ``app.store.etcd`` makes
-the calls and bounds each with its deadline."""
+"""What the etcd store keeps in process, with no I/O: what it knows of leases, and what its
+shared watches have seen. ``app.store.etcd`` does the talking."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from typing import Any
 
 
 class LeaseBook:
@@ -87,66 +84,3 @@ class WatchHub:
             self.dead.set_result(None)
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
-
-
-class KeepAliveStream:
-    """One LeaseKeepAlive stream carrying every renewal through one endpoint (a stream per
-    renewal costs twice the CPU). etcd answers a stream's requests in order, so an answer
-    goes to the oldest renewal waiting for its lease. A failed or interrupted write ends the
-    stream (its waiters fail, and retry on a fresh one): the order must never slip."""
-
-    def __init__(self, call: Any, request: Any) -> None:
-        self.call = call  # LeaseKeepAlive, without a deadline: it lives with the store
-        self.request = request  # the LeaseKeepAliveRequest message type
-        self.waiting: dict[int, deque[asyncio.Future[Any]]] = {}
-        self.lock = asyncio.Lock()
-        self.broken = False
-        self.reader = asyncio.create_task(self._read())
-
-    async def renew(self, lease_id: int, seconds: float) -> Any:
-        async with asyncio.timeout(seconds):
-            async with self.lock:  # cancelled while waiting here: nothing written, no harm
-                if self.broken:
-                    raise ConnectionError("the lease keep-alive stream to etcd ended")
-                answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-                self.waiting.setdefault(lease_id, deque()).append(answer)
-                try:
-                    await self.call.write(self.request(ID=lease_id))
-                except BaseException as exc:  # failed or cut mid-write: the order may slip
-                    self.close()
-                    if isinstance(exc, Exception):
-                        raise ConnectionError(
-                            f"the lease keep-alive stream ended: {exc!r}"
-                        ) from exc
-                    raise
-            return await asyncio.shield(answer)
-
-    async def _read(self) -> None:
-        try:
-            while True:
-                reply = await self.call.read()
-                if not hasattr(reply, "ID"):  # end of stream
-                    return
-                queue = self.waiting.get(reply.ID)
-                if queue:
-                    answer = queue.popleft()
-                    if not queue:
-                        del self.waiting[reply.ID]
-                    if not answer.done():
-                        answer.set_result(reply)
-        except Exception:  # the waiters learn of it below
-            pass
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self.broken = True
-        for queue in self.waiting.values():
-            for answer in queue:
-                if not answer.done():
-                    answer.set_exception(ConnectionError("the lease keep-alive stream ended"))
-                    answer.exception()  # retrieved: renew raises it to its caller
-        self.waiting.clear()
-        if self.reader is not asyncio.current_task():
-            self.reader.cancel()
-        self.call.cancel()
