@@ -86,7 +86,9 @@ class EtcdStore(Store):
         timeout_s: float = 10.0,
         probe_interval_s: float = 1.0,
         lease_cache_s: float | None = None,
-        max_in_flight: int = 256,
+        # A bound against floods, not a throttle: a slot stays held until this process reads
+        # the answer, so under a storm a small bound starves calls etcd would answer at once.
+        max_in_flight: int = 2048,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
