@@ -334,6 +334,10 @@ class EtcdStore(Store):
                 await call.write(request)
                 await call.done_writing()
                 reply = await call.read()
+            except rpc.AioRpcError:
+                raise
+            except Exception as exc:  # the RPC ended under a write (its deadline, say)
+                raise ConnectionError(f"the lease keep-alive call ended: {exc!r}") from exc
             finally:
                 call.cancel()
             if not hasattr(reply, "TTL") or reply.TTL <= 0:
