@@ -139,7 +139,9 @@ class EtcdStore(Store):
             await client.connect()  # builds the channel and stubs; dials lazily
         return client
 
-    async def _call(self, what: str, fn: Callable[[aetcd.Client, float], Awaitable[T]]) -> T:
+    async def _call(
+        self, what: str, fn: Callable[[aetcd.Client, float], Awaitable[T]], slots: int = 1
+    ) -> T:
         """Run ``fn(client, seconds)`` on the preferred endpoint, failing over to the others,
         round after round, all within ``timeout_s`` (a wait for one of the ``max_in_flight``
         slots included). A member that answers at once with an error (no leader yet, leader
@@ -155,7 +157,8 @@ class EtcdStore(Store):
         n = len(self.endpoints)
         try:
             async with asyncio.timeout_at(deadline):
-                await self._slots.acquire()
+                if slots:  # the liveness probe takes none: it must not queue behind a storm
+                    await self._slots.acquire()
         except TimeoutError:
             busy = f"all {self._max_in_flight} calls this replica may have in flight stayed busy"
             raise self._unavailable(what, [busy]) from None
@@ -192,7 +195,8 @@ class EtcdStore(Store):
                 if self._preferred == index:
                     self._preferred = (index + 1) % n
         finally:
-            self._slots.release()
+            if slots:
+                self._slots.release()
         raise self._unavailable(what, failures[-n:], len(failures))
 
     def _unavailable(self, what: str, last: list[str], tries: int = 0) -> StoreUnavailable:
@@ -450,7 +454,7 @@ class EtcdStore(Store):
         while self._waiters:
             await asyncio.sleep(self._probe_interval_s)
             try:
-                await self._call("read", self._head)
+                await self._call("read", self._head, slots=0)
             except StoreUnavailable as exc:
                 if self._trouble is not None and not self._trouble.done():
                     self._trouble.set_result(exc)
