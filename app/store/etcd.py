@@ -13,9 +13,10 @@ gRPC channel per endpoint (``aetcd``'s stubs, asyncio) and one RPC per call:
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
   every waiter, an answer from another member than a watch's makes its waiters re-read.
 
-Every call has one deadline, ``timeout_s`` (also gRPC's), shared among the endpoints, the
-preferred first, each with a fair share of the time left; at most ``max_in_flight`` calls
-are in flight, the rest queue within the same deadline. Whatever goes wrong surfaces as
+Every call has one deadline, ``timeout_s``, shared among the endpoints, the preferred first,
+each with a fair share of the time left, carried by gRPC (it bounds etcd's answer, not the
+turns a saturated process takes to read it); at most ``max_in_flight`` calls are in flight,
+the rest queue within the same deadline. Whatever goes wrong surfaces as
 :class:`StoreUnavailable`, never as a hang. Keys live under ``/{prefix}/``.
 """
 
