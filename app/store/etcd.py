@@ -1,45 +1,39 @@
-"""The etcd store: a thin translation of the storage interface onto an etcd v3 cluster.
+"""The etcd store: a thin translation of the storage interface onto an etcd v3 cluster, one
+gRPC channel per endpoint (``aetcd``'s stubs, asyncio) and one RPC per call:
 
-Talks gRPC through ``aetcd`` (asyncio). The interface was shaped after etcd, so:
+- a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
+  header's revision answers, won or lost; a prefix delete is a DeleteRange;
+- leases are etcd leases, expiring on the cluster's clock with no registry alive; what one
+  has left is known when this store granted or renewed it, else asked once per
+  ``lease_cache_s`` (default: a third of its TTL, the renewal period) however many readers
+  want it. A lease only gains time (a renewal through another replica), so the figure is a
+  lower bound: asked again when it runs out with the entry still there;
+- ``range`` is one linearizable Range (never stale from a member without quorum);
+- ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
+  store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
+  every waiter, an answer from another member than a watch's makes its waiters re-read.
 
-- a transaction is one etcd Txn: each compare is ``mod_revision == r``, or ``version == 0``
-  for "absent"; a prefix delete is a DeleteRange with the prefix's range end;
-- leases are etcd leases: they expire on the cluster's own clock, with no registry alive;
-- ``range`` is one linearizable Range (never a stale answer from a member without quorum),
-  plus the remaining time of the leases it saw (cached a moment, since every read of a
-  group would otherwise ask once per rank);
-- ``wait`` is a watch from ``after_revision + 1``, with a linearizable probe every
-  ``probe_interval_s`` so that a waiter learns of a lost quorum without waiting out its time.
-
-Every call has one deadline, ``timeout_s``, shared among the endpoints: the preferred one is
-tried first and, when it fails or stalls, the next, each with a fair share of the time left.
-Whatever goes wrong below surfaces as :class:`StoreUnavailable`, never as a hang.
-Keys live under ``/{prefix}/``; replicas on one prefix share everything.
+Every call has one deadline, ``timeout_s``, shared among the endpoints, the preferred first,
+each with a fair share of the time left, carried by gRPC (it bounds etcd's answer, not the
+turns a saturated process takes to read it); at most ``max_in_flight`` calls are in flight,
+the rest queue within the same deadline. Whatever goes wrong surfaces as
+:class:`StoreUnavailable`, never as a hang. Keys live under ``/{prefix}/``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aetcd
+from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
 from app.errors import StoreUnavailable
-from app.store.base import (
-    Compare,
-    Delete,
-    Entry,
-    Lease,
-    Op,
-    Put,
-    Snapshot,
-    Store,
-    TxnResult,
-)
+from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.etcd_state import LeaseBook, WatchHub
 
 T = TypeVar("T")
 
@@ -59,21 +53,8 @@ _GRPC_OPTIONS: dict[str, Any] = {
     "grpc.keepalive_timeout_ms": 5_000,
 }
 
-
 # Bounds the tries of one call (the deadline bounds its time).
 _MAX_TRIES = 64
-
-
-def _rpc_code(exc: BaseException) -> str:
-    """The gRPC status name behind an aetcd error (aetcd chains the AioRpcError as cause)."""
-    cause: BaseException | None = exc
-    while cause is not None:
-        code = getattr(cause, "code", None)
-        if callable(code):
-            with contextlib.suppress(Exception):
-                return str(getattr(code(), "name", code()))
-        cause = cause.__cause__
-    return ""
 
 
 def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
@@ -105,7 +86,10 @@ class EtcdStore(Store):
         *,
         timeout_s: float = 10.0,
         probe_interval_s: float = 1.0,
-        lease_cache_s: float = 1.0,
+        lease_cache_s: float | None = None,
+        # A bound against floods, not a throttle: a slot stays held until this process reads
+        # the answer, so under a storm a small bound starves calls etcd would answer at once.
+        max_in_flight: int = 2048,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
@@ -116,11 +100,17 @@ class EtcdStore(Store):
         )
         self._timeout_s = timeout_s
         self._probe_interval_s = probe_interval_s
-        self._lease_cache_s = lease_cache_s
+        self._max_in_flight = max_in_flight
+        self._slots = asyncio.Semaphore(max_in_flight)
         self._clients: list[aetcd.Client | None] = [None] * len(self.endpoints)
         self._preferred = 0
-        # lease id → (monotonic time read, remaining seconds then)
-        self._lease_ttl: dict[int, tuple[float, float]] = {}
+        self._leases = LeaseBook(lease_cache_s)
+        self._asking: dict[int, asyncio.Task[float]] = {}
+        self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
+        self._hubs: dict[str, WatchHub] = {}
+        self._waiters = 0
+        self._prober: asyncio.Task[None] | None = None
+        self._trouble: asyncio.Future[StoreUnavailable] | None = None
         self._closed = False
 
     @classmethod
@@ -134,22 +124,30 @@ class EtcdStore(Store):
         return self._root + key.encode()
 
     def _unkey(self, key: bytes) -> str:
-        return key[len(self._root) :].decode()
+        return bytes(key)[len(self._root) :].decode()
 
-    def _client(self, index: int) -> aetcd.Client:
+    def _entry(self, kv: Any) -> Entry:
+        return Entry(self._unkey(kv.key), bytes(kv.value), int(kv.mod_revision), kv.lease or None)
+
+    async def _client(self, index: int) -> aetcd.Client:
         client = self._clients[index]
         if client is None:
             host, port = self.endpoints[index]
-            # The client's own timeout is a backstop; _call gives each attempt its share.
+            # One channel per endpoint for the store's life; each RPC carries its own deadline.
             client = aetcd.Client(host, port, timeout=self._timeout_s, options=_GRPC_OPTIONS)
             self._clients[index] = client
+        if client.kvstub is None:
+            await client.connect()  # builds the channel and stubs; dials lazily
         return client
 
-    async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run ``fn`` on the preferred endpoint, failing over to the others, round after
-        round, all within ``timeout_s``. A member that answers at once with an error (no
-        leader yet, leader changed, connection refused) costs a try, not the deadline:
-        elections last about a second, so rounds go on with a short pause until it passes.
+    async def _call(
+        self, what: str, fn: Callable[[aetcd.Client, float], Awaitable[T]], slots: int = 1
+    ) -> T:
+        """Run ``fn(client, seconds)`` on the preferred endpoint, failing over to the others,
+        round after round, all within ``timeout_s`` (a wait for one of the ``max_in_flight``
+        slots included). A member that answers at once with an error (no leader yet, leader
+        changed, connection refused) costs a try, not the deadline: elections last about a
+        second, so rounds go on with a short pause until it passes.
 
         ``fn`` must be safe to repeat: an attempt that timed out may have been applied (a
         repeated compare-and-set then loses, and its caller re-reads)."""
@@ -158,216 +156,327 @@ class EtcdStore(Store):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         n = len(self.endpoints)
+        try:
+            async with asyncio.timeout_at(deadline):
+                if slots:  # the liveness probe takes none: it must not queue behind a storm
+                    await self._slots.acquire()
+        except TimeoutError:
+            busy = f"all {self._max_in_flight} calls this replica may have in flight stayed busy"
+            raise self._unavailable(what, [busy]) from None
         failures: list[str] = []
         start = self._preferred
-        for attempt in range(_MAX_TRIES):
-            if attempt and attempt % n == 0:  # every endpoint failed this round
-                await asyncio.sleep(min(0.05 * (attempt // n), 0.25, deadline - loop.time()))
-            # A fair share of the time left for each endpoint not yet tried this round.
-            budget = (deadline - loop.time()) / (n - attempt % n)
-            if budget <= 0:
-                break
-            index = (start + attempt) % n
-            host, port = self.endpoints[index]
-            try:
-                return await asyncio.wait_for(fn(self._client(index)), budget)
-            except TimeoutError:
-                failures.append(f"{host}:{port}: no answer within {budget:.1f} s")
-            except aetcd.InvalidArgumentError as exc:
-                raise StoreUnavailable(
-                    f"etcd refused the {what}: {exc}. If it says the request is too large, "
-                    "raise etcd's --max-request-bytes above the largest agent metadata blob."
-                ) from exc
-            except (aetcd.ClientError, OSError) as exc:
-                failures.append(f"{host}:{port}: {exc}")
-            if self._preferred == index:
-                self._preferred = (index + 1) % n
-        raise StoreUnavailable(
-            f"etcd did not answer the {what} within {self._timeout_s:g} s "
-            f"({len(failures)} tries; last: {'; '.join(failures[-n:]) or 'no time left'}). "
-            "Check that a majority of the etcd members is up and reachable from this replica."
+        try:
+            for attempt in range(_MAX_TRIES):
+                if attempt and attempt % n == 0:  # every endpoint failed this round
+                    pause = min(0.05 * (attempt // n), 0.25, deadline - loop.time())
+                    await asyncio.sleep(max(0.0, pause))
+                # A fair share of the time left for each endpoint not yet tried this round.
+                budget = (deadline - loop.time()) / (n - attempt % n)
+                if budget <= 0:
+                    break
+                index = (start + attempt) % n
+                where = "{}:{}".format(*self.endpoints[index])
+                try:
+                    # The deadline travels with the RPC (gRPC's own): it bounds etcd's answer,
+                    # not the turns this process takes to read an answer that came in time.
+                    return await fn(await self._client(index), budget)
+                except TimeoutError:
+                    failures.append(f"{where}: no answer within {budget:.1f} s")
+                except rpc.AioRpcError as exc:
+                    if exc.code() == rpc.StatusCode.INVALID_ARGUMENT:
+                        raise self._refused(what, exc.details()) from exc
+                    if exc.code() == rpc.StatusCode.DEADLINE_EXCEEDED:
+                        failures.append(f"{where}: no answer within {budget:.1f} s")
+                    else:
+                        failures.append(f"{where}: {exc.code().name} {exc.details()}")
+                except aetcd.InvalidArgumentError as exc:
+                    raise self._refused(what, str(exc)) from exc
+                except (aetcd.ClientError, OSError) as exc:
+                    failures.append(f"{where}: {exc!r}")
+                if self._preferred == index:
+                    self._preferred = (index + 1) % n
+        finally:
+            if slots:
+                self._slots.release()
+        raise self._unavailable(what, failures[-n:], len(failures))
+
+    def _unavailable(self, what: str, last: list[str], tries: int = 0) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"etcd did not answer the {what} within {self._timeout_s:g} s ({tries} tries; "
+            f"last: {'; '.join(last) or 'no time left'}). Check that a majority of the etcd "
+            "members is up and reachable from this replica, and that etcd keeps up (its disk "
+            "and CPU)."
         )
 
-    def _entry(self, kv: Any) -> Entry:
-        return Entry(self._unkey(kv.key), bytes(kv.value), int(kv.mod_revision), kv.lease or None)
+    @staticmethod
+    def _refused(what: str, why: str) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"etcd refused the {what}: {why}. If it says the request is too large, raise "
+            "etcd's --max-request-bytes above the largest agent metadata blob."
+        )
 
-    async def _revision(self, client: aetcd.Client) -> int:
-        head = await client.get_range(self._root, self._root + b"\0")
-        return int(head.header.revision)
+    async def _head(self, client: aetcd.Client, seconds: float) -> int:
+        """The store's revision, by a linearizable read of one (absent) key."""
+        reply = await client.kvstub.Range(rpc.RangeRequest(key=self._root), timeout=seconds)
+        return int(reply.header.revision)
 
     # -- reads -----------------------------------------------------------------------------
 
-    async def get(self, key: str) -> Entry | None:
-        async def fn(client: aetcd.Client) -> Entry | None:
-            found = await client.get(self._key(key))
-            return None if found is None else self._entry(found)
+    async def _read(self, key: bytes, end: bytes = b"") -> Any:
+        """One linearizable Range, shared by every identical read that comes before it is
+        sent (while it waits for a slot, say): each of them began before the read did, so
+        the answer is linearizable for all. A storm's reads come in such bursts (the ranks
+        of a group fetching its engine at once, the waiters on it waking at once)."""
+        pending = self._reads.get((key, end)) or self._send_read(key, end)
+        try:
+            return await asyncio.shield(pending)
+        except StoreUnavailable as exc:
+            raise StoreUnavailable(exc.detail) from exc  # each reader its own
 
-        return await self._call("read", fn)
+    def _send_read(self, key: bytes, end: bytes) -> asyncio.Future[Any]:
+        request = rpc.RangeRequest(key=key, range_end=end)
+
+        def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
+            settle(read)  # sent: later readers need a read of their own
+            reply: Awaitable[Any] = client.kvstub.Range(request, timeout=seconds)
+            return reply
+
+        def settle(done: asyncio.Future[Any]) -> None:
+            if self._reads.get((key, end)) is done:
+                del self._reads[(key, end)]
+            if done.done() and not done.cancelled():
+                done.exception()  # retrieved: its readers raise their own
+
+        read = self._reads[(key, end)] = asyncio.ensure_future(self._call("read", send))
+        read.add_done_callback(settle)
+        return read
+
+    async def get(self, key: str) -> Entry | None:
+        reply = await self._read(self._key(key))
+        return self._entry(reply.kvs[0]) if reply.kvs else None
 
     async def range(self, prefix: str) -> Snapshot:
         start = self._key(prefix)
+        reply = await self._read(start, prefix_range_end(start))
+        entries = [self._entry(kv) for kv in reply.kvs]  # etcd answers in key order
+        leases = {e.lease for e in entries if e.lease is not None}
+        remaining = await self._remaining(leases) if leases else {}
+        return Snapshot(entries, int(reply.header.revision), remaining)
 
-        async def fn(client: aetcd.Client) -> Snapshot:
-            found = await client.get_range(start, prefix_range_end(start))
-            entries = [self._entry(kv) for kv in found.kvs]
-            leases = {e.lease for e in entries if e.lease is not None}
-            return Snapshot(
-                entries, int(found.header.revision), await self._remaining(client, leases)
+    async def _remaining(self, leases: set[int]) -> dict[int, float]:
+        known = {lease: self._leases.remaining(lease) for lease in leases}
+        out = {lease: left for lease, left in known.items() if left is not None}
+        ask = [lease for lease, left in known.items() if left is None]
+        for lease in ask:  # one question per lease however many readers want it at once
+            if lease not in self._asking:
+                self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
+        found = await asyncio.gather(*(asyncio.shield(self._asking[k]) for k in ask))
+        return out | dict(zip(ask, found, strict=True))
+
+    async def _ask_lease(self, lease: int) -> float:
+        request = rpc.LeaseTimeToLiveRequest(ID=lease)
+        try:
+            info = await self._call(
+                "lease read", lambda c, t: c.leasestub.LeaseTimeToLive(request, timeout=t)
             )
-
-        return await self._call("read", fn)
-
-    async def _remaining(self, client: aetcd.Client, leases: set[int]) -> dict[int, float]:
-        now = time.monotonic()
-        out: dict[int, float] = {}
-        ask: list[int] = []
-        for lease in leases:
-            cached = self._lease_ttl.get(lease)
-            if cached is not None and now - cached[0] < self._lease_cache_s:
-                out[lease] = max(0.0, cached[1] - (now - cached[0]))
-            else:
-                ask.append(lease)
-        infos = await asyncio.gather(*(client.get_lease_info(lease, keys=False) for lease in ask))
-        for lease, info in zip(ask, infos, strict=True):
-            out[lease] = max(0.0, float(info.TTL))
-            self._remember(lease, out[lease])
-        return out
-
-    def _remember(self, lease: int, remaining: float | None) -> None:
-        if remaining is None:
-            self._lease_ttl.pop(lease, None)
-            return
-        if len(self._lease_ttl) > 10_000:  # bounded: drop what is stale anyway
-            horizon = time.monotonic() - self._lease_cache_s
-            self._lease_ttl = {k: v for k, v in self._lease_ttl.items() if v[0] > horizon}
-        self._lease_ttl[lease] = (time.monotonic(), remaining)
+        finally:
+            self._asking.pop(lease, None)
+        self._leases.asked(lease, max(0.0, float(info.TTL)), int(info.grantedTTL))
+        return max(0.0, float(info.TTL))
 
     # -- writes ----------------------------------------------------------------------------
 
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
-        async def fn(client: aetcd.Client) -> TxnResult:
-            t = client.transactions
-            checks = [
-                t.version(self._key(c.key)) == 0
-                if c.mod_revision == 0
-                else t.mod(self._key(c.key)) == c.mod_revision
-                for c in compares
-            ]
-            requests = []
-            for op in ops:
-                key = self._key(op.key)
-                if isinstance(op, Put):
-                    requests.append(t.put(key, op.value, lease=op.lease or 0))
-                elif isinstance(op, Delete) and op.prefix:
-                    requests.append(t.delete(key, range_end=prefix_range_end(key)))
-                else:
-                    requests.append(t.delete(key))
+        checks = [
+            rpc.Compare(key=self._key(c.key), target=rpc.Compare.VERSION, version=0)
+            if c.mod_revision == 0
+            else rpc.Compare(
+                key=self._key(c.key), target=rpc.Compare.MOD, mod_revision=c.mod_revision
+            )
+            for c in compares
+        ]  # result EQUAL is the default
+        requests = []
+        for op in ops:
+            key = self._key(op.key)
+            if isinstance(op, Put):
+                put = rpc.PutRequest(key=key, value=op.value, lease=op.lease or 0)
+                requests.append(rpc.RequestOp(request_put=put))
+            else:
+                end = prefix_range_end(key) if op.prefix else b""
+                delete = rpc.DeleteRangeRequest(key=key, range_end=end)
+                requests.append(rpc.RequestOp(request_delete_range=delete))
+        request = rpc.TxnRequest(compare=checks, success=requests)
+
+        async def fn(client: aetcd.Client, seconds: float) -> TxnResult:
             try:
-                succeeded, responses = await client.transaction(checks, requests, [])
-            except aetcd.ClientError as exc:
-                if _rpc_code(exc) != "NOT_FOUND":  # a Put named a lease that is gone
+                reply = await client.kvstub.Txn(request, timeout=seconds)
+            except rpc.AioRpcError as exc:
+                if exc.code() != rpc.StatusCode.NOT_FOUND:  # a Put named a lease that is gone
                     raise
-                return TxnResult(False, await self._revision(client))
-            # Every operation of a Txn happens at one revision, which each response carries.
-            revisions = [
-                int(getattr(r, r.WhichOneof("response")).header.revision) for r in responses
-            ]
-            if succeeded and revisions:
-                return TxnResult(True, max(revisions))
-            return TxnResult(bool(succeeded), await self._revision(client))
+                return TxnResult(False, await self._head(client, seconds))
+            # Won: the Txn's own revision; lost: the store's revision at the compare.
+            return TxnResult(bool(reply.succeeded), int(reply.header.revision))
 
         return await self._call("transaction", fn)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
-        async def fn(client: aetcd.Client) -> Lease:
-            granted = await client.lease(ttl_s)
-            return Lease(int(granted.id), int(granted.ttl), float(granted.ttl))
-
-        lease = await self._call("lease grant", fn)
-        self._remember(lease.id, lease.remaining_s)
+        request = rpc.LeaseGrantRequest(TTL=ttl_s)
+        granted = await self._call(
+            "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
+        )
+        lease = Lease(int(granted.ID), int(granted.TTL), float(granted.TTL))
+        self._leases.granted(lease.id, lease.remaining_s)
         return lease
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
-        async def fn(client: aetcd.Client) -> Lease | None:
-            reply = await client.refresh_lease(lease_id)
-            if reply is None or reply.TTL <= 0:
-                return None
+        request = rpc.LeaseKeepAliveRequest(ID=lease_id)
+
+        async def fn(client: aetcd.Client, seconds: float) -> Lease | None:
+            # A stream per renewal: renewals through one shared stream queue behind each
+            # other's writes, a turn of this process's loop each (heartbeats timed out).
+            call = client.leasestub.LeaseKeepAlive(timeout=seconds)
+            try:
+                await call.write(request)
+                await call.done_writing()
+                reply = await call.read()
+            except rpc.AioRpcError:
+                raise
+            except Exception as exc:  # the RPC ended under a write (its deadline, say)
+                raise ConnectionError(f"the lease keep-alive call ended: {exc!r}") from exc
+            finally:
+                call.cancel()
+            if not hasattr(reply, "TTL") or reply.TTL <= 0:
+                return None  # etcd answers TTL 0 for a lease it no longer has
             return Lease(lease_id, int(reply.TTL), float(reply.TTL))
 
         lease = await self._call("lease refresh", fn)
-        self._remember(lease_id, None if lease is None else lease.remaining_s)
+        self._leases.granted(lease_id, lease.remaining_s if lease else None)
         return lease
 
     async def revoke_lease(self, lease_id: int) -> None:
-        async def fn(client: aetcd.Client) -> None:
+        request = rpc.LeaseRevokeRequest(ID=lease_id)
+
+        async def fn(client: aetcd.Client, seconds: float) -> None:
             try:
-                await client.revoke_lease(lease_id)
-            except aetcd.ClientError as exc:
-                if _rpc_code(exc) != "NOT_FOUND":
+                await client.leasestub.LeaseRevoke(request, timeout=seconds)
+            except rpc.AioRpcError as exc:
+                if exc.code() != rpc.StatusCode.NOT_FOUND:
                     raise
 
         await self._call("lease revoke", fn)
-        self._remember(lease_id, None)
+        self._leases.granted(lease_id, None)
 
     # -- waiting ---------------------------------------------------------------------------
 
     async def wait(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        start = self._key(prefix)
-        end = prefix_range_end(start)
-
-        async def open_watch(client: aetcd.Client) -> aetcd.Watch | None:
-            try:
-                return await client.watch(start, range_end=end, start_revision=after_revision + 1)
-            except aetcd.RevisionCompactedError:
-                return None  # history is gone: report a change, the caller re-reads
-
-        watch = await self._call("watch", open_watch)
-        if watch is None:
+        hub = await self._hub(prefix[: prefix.find("/") + 1], after_revision + 1)
+        # History gone, or the hub may have missed a change: the caller re-reads.
+        if hub is None or hub.track(prefix) > after_revision + 1:
             return True
-        watching = watch
-
-        async def first_event() -> None:
-            async for _ in watching:
-                return
-
-        task = asyncio.create_task(first_event())
+        trouble = self._watch_health()
+        self._waiters += 1
         try:
-            while True:
+            while hub.latest.get(prefix, 0) <= after_revision:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     return False
-                done, _ = await asyncio.wait({task}, timeout=min(remaining, self._probe_interval_s))
-                if done:
-                    if task.exception() is not None:
-                        # The stream broke (a member died): say "changed" so the caller
-                        # re-reads through failover and waits again on a fresh watch.
-                        await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+                either: list[asyncio.Future[Any]] = [hub.next_change(prefix), trouble, hub.dead]
+                await asyncio.wait(either, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if trouble.done():
+                    raise StoreUnavailable(trouble.result().detail)
+                if hub.dead.done():  # the stream broke (a member died): re-read via failover
+                    await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
                     return True
-                if deadline - loop.time() <= 0:
-                    return False  # never probe past the caller's deadline
-                # Linearizable probe: raises StoreUnavailable when the cluster lost quorum,
-                # and sees changes a watch on a cut-off member would never deliver.
-                probe = await self._call("read", lambda c: c.get_range(start, end))
-                if any(int(kv.mod_revision) > after_revision for kv in probe.kvs):
-                    return True
+            return True
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.cancel(), 1.0)
+            self._waiters -= 1
+
+    async def _hub(self, segment: str, start: int) -> WatchHub | None:
+        hub = self._hubs.get(segment)
+        if hub is not None:
+            await asyncio.shield(hub.opened)
+            return hub
+        hub = self._hubs[segment] = WatchHub(start, self._preferred)
+        key = self._key(segment)
+
+        async def open_watch(client: aetcd.Client, seconds: float) -> Any:
+            hub.index = self._clients.index(client)
+            try:
+                async with asyncio.timeout(seconds):
+                    end = prefix_range_end(key)
+                    return await client.watch(key, range_end=end, start_revision=start)
+            except aetcd.RevisionCompactedError:
+                return None  # history is gone: report a change, the caller re-reads
+
+        try:
+            watch = await self._call("watch", open_watch)
+        except BaseException as exc:
+            self._bury(segment, hub)
+            hub.opened.set_exception(exc)
+            hub.opened.exception()  # retrieved; the waiters sharing this opening get it too
+            raise
+        hub.opened.set_result(None)
+        if watch is None:
+            self._bury(segment, hub)
+            return None
+        hub.task = asyncio.create_task(self._follow(segment, hub, watch))
+        return hub
+
+    async def _follow(self, segment: str, hub: WatchHub, watch: Any) -> None:
+        try:
+            async for event in watch:
+                hub.dispatch(self._unkey(event.kv.key), int(event.kv.mod_revision))
+        except Exception:  # a broken stream wakes its waiters, who re-read
+            pass
+        finally:
+            self._bury(segment, hub)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(watch.cancel(), 1.0)  # else etcd streams on to nobody
+
+    def _bury(self, segment: str, hub: WatchHub) -> None:
+        if self._hubs.get(segment) is hub:
+            del self._hubs[segment]
+        hub.end()
+
+    def _watch_health(self) -> asyncio.Future[StoreUnavailable]:
+        """The future a failed probe resolves, with a prober running to resolve it."""
+        if self._trouble is None or self._trouble.done():
+            self._trouble = asyncio.get_running_loop().create_future()
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._probe())
+        return self._trouble
+
+    async def _probe(self) -> None:
+        """While anyone waits: one linearizable read per interval for the whole store. A
+        failure fails every waiter; an answer from another member than a watch's ends that
+        watch (the member may be cut off, its watch silent) and its waiters re-read."""
+        while self._waiters:
+            await asyncio.sleep(self._probe_interval_s)
+            try:
+                await self._call("read", self._head, slots=0)
+            except StoreUnavailable as exc:
+                if self._trouble is not None and not self._trouble.done():
+                    self._trouble.set_result(exc)
+                return
+            for segment, hub in list(self._hubs.items()):
+                if hub.index != self._preferred and hub.opened.done():
+                    self._bury(segment, hub)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def ping(self) -> None:
-        await self._call("read", self._revision)
+        await self._call("read", self._head)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for task in [self._prober, *(h.task for h in self._hubs.values())]:
+            if task is not None:
+                task.cancel()
+        self._hubs.clear()
         clients = [c for c in self._clients if c is not None]
         self._clients = [None] * len(self.endpoints)
         for client in clients:
