@@ -300,6 +300,16 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
     if quick:
         lines += ["**Quick run (smoke-test sizes): not figures to publish.**", ""]
     lines += _machine(info)
+    reused = [
+        f"{name} (run of {r.get('when', '?')}, {r['machine']['cpu']}, commit {r['machine']['git']})"
+        for name, r in results.items()
+        if r.get("machine", {}).get("git") not in (None, info.get("git"))
+    ]
+    if reused:
+        lines += [
+            "Reused from an earlier run, not re-measured here: " + "; ".join(reused) + ".",
+            "",
+        ]
     busy = {k: r.get("busy_before") for k, r in results.items()}
     lines += [
         "Machine busy before each question (other processes): "
