@@ -120,9 +120,6 @@ class Store(ABC):
     async def start(self) -> None:  # noqa: B027 - optional hook, most backends are lazy
         """Connect and start the backend's own background work; lazy backends need not."""
 
-    def release_waiters(self) -> None:  # noqa: B027 - optional hook
-        """Wake every held :meth:`wait` now (the service is shutting down)."""
-
     @abstractmethod
     async def ping(self) -> None:
         """Raise StoreUnavailable unless the store answers a trivial read."""

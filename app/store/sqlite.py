@@ -442,10 +442,6 @@ class SqliteStore(Store):
                 if not futs:
                     del self._waiters[prefix]
 
-    def release_waiters(self) -> None:
-        """Wake every held ``wait`` now (the service is shutting down)."""
-        self._wake_all()
-
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def ping(self) -> None:
