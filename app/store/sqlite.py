@@ -35,6 +35,7 @@ from app.errors import StoreUnavailable
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
 from app.store.sqlite_thread import FileThread
+from app.store.waiters import Waiters
 
 log = logging.getLogger("app.store")
 
@@ -84,7 +85,7 @@ class SqliteStore(Store):
         self._loaded = False
         self._failure: FileFailure | None = None
         self._recovering: asyncio.Lock | None = None
-        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._waiters = Waiters()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -396,51 +397,16 @@ class SqliteStore(Store):
     # -- waiting -----------------------------------------------------------------------------
 
     def _notify(self, keys: Iterable[str]) -> None:
-        if not self._waiters:
-            return
-        for key in keys:
-            cut = 0
-            while True:
-                for fut in self._waiters.pop(key[:cut], ()):
-                    if not fut.done():
-                        fut.set_result(None)
-                slash = key.find("/", cut)
-                if slash < 0:
-                    break
-                cut = slash + 1
-            for fut in self._waiters.pop(key, ()):
-                if not fut.done():
-                    fut.set_result(None)
-        # Prefixes that do not end at a "/" (none in this service, allowed by the API).
-        for prefix in [p for p in self._waiters if p and not p.endswith("/")]:
-            if any(k.startswith(prefix) for k in keys):
-                for fut in self._waiters.pop(prefix):
-                    if not fut.done():
-                        fut.set_result(None)
+        self._waiters.notify(keys)
 
     def _wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, {}
-        for futs in waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_result(None)
+        self._waiters.wake_all()
 
     async def wait(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
         await self._usable()
         if any(self._kv[k].mod_revision > after_revision for k in self._under(prefix)):
             return True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(prefix, set()).add(fut)
-        try:
-            await asyncio.wait_for(fut, timeout_s)
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            if (futs := self._waiters.get(prefix)) is not None:
-                futs.discard(fut)
-                if not futs:
-                    del self._waiters[prefix]
+        return await self._waiters.wait(prefix, timeout_s)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
