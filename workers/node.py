@@ -161,6 +161,8 @@ class NodeLeader:
         self.signals = NodeSignals(identity, node.node)
         self.node = node
         self.linger_s = linger_s
+        # How long followers take to see the leader's `superseded` (their watcher's period).
+        self.follower_poll_s = max(0.2, ttl_s / 3)
         self.host = next(i.host for i in items if i.rank == node.leader)
 
         def superseded(exc: EngineIdMismatch) -> None:
@@ -188,9 +190,16 @@ class NodeLeader:
         self.batch.start()
 
     def close(self, *, deregister: bool = True, wait_followers: bool = True) -> None:
-        """Keep the node's leases until its followers are done (bounded), then close."""
-        if wait_followers and self.batch.published and not self.superseded.is_set():
-            self.signals.wait_done(self.node.ranks[1:], self.linger_s)
+        """Keep the node's leases until its followers are done (bounded), then close.
+
+        Superseded, the leader still gives its followers their watcher's period to see it
+        and stop as superseded ranks themselves: leaving at once, it would have torchrun
+        SIGTERM them first, and they would stop without knowing why."""
+        if wait_followers and self.batch.published:
+            if self.superseded.is_set():
+                self.signals.wait_done(self.node.ranks[1:], 2 * self.follower_poll_s + 2)
+            else:
+                self.signals.wait_done(self.node.ranks[1:], self.linger_s)
         self.batch.close(deregister=deregister)
 
 
