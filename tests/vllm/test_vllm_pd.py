@@ -43,8 +43,25 @@ class _Shared:
     workdir: Path
     model: Path
     registry: Registry
-    decode: Instance
+    decode_process: Instance | None = None
     prefill: Instance | None = None
+
+    @property
+    def decode(self) -> Instance:
+        assert self.decode_process is not None, "decode starts after each prefill is healthy"
+        return self.decode_process
+
+    def decode_instance(self) -> Instance:
+        return Instance(
+            "decode",
+            self.model,
+            self.workdir,
+            cores=("1",),
+            registry_url=self.registry.url,
+            registry_token=self.registry.tokens.worker,
+            group="decode-0",
+            role="decode",
+        )
 
     def body(self, max_tokens: int = 8) -> dict[str, Any]:
         return {
@@ -80,23 +97,14 @@ class _Shared:
 
 @pytest.fixture(scope="module")
 def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator[_Shared]:
-    decode = Instance(
-        "decode",
-        tiny_model,
-        vllm_workdir,
-        cores=("1",),
-        registry_url=registry.url,
-        registry_token=registry.tokens.worker,
-        group="decode-0",
-        role="decode",
-    ).start()
-    state = _Shared(vllm_workdir, tiny_model, registry, decode)
+    state = _Shared(vllm_workdir, tiny_model, registry)
     try:
         yield state
     finally:
         if state.prefill is not None:
             state.prefill.stop()
-        decode.stop()
+        if state.decode_process is not None:
+            state.decode_process.stop()
 
 
 @pytest.fixture
@@ -173,13 +181,17 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
 
 
 def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
-    if shared.prefill is not None:
-        shared.prefill.stop()
-        shared.prefill = None
+    """A new prefill, then a fresh decode. An idle vLLM CPU decode worker spins at ~95% of its
+    core (vLLM's shared-memory queue): a prefill node pinned to that core starved behind it and
+    missed a 300 s start (and 600 s); so nothing idles while an instance starts."""
+    for running in (shared.decode_process, shared.prefill):
+        if running is not None:
+            running.stop()
+    shared.decode_process = shared.prefill = None
     shared.prefill = shared.prefill_instance(name, plugin=plugin).start()
     FIGURES[f"{name}: healthy after"] = shared.prefill.wait_healthy(START_S)
-    if "decode: healthy after" not in FIGURES:
-        FIGURES["decode: healthy after"] = shared.decode.wait_healthy(START_S)
+    shared.decode_process = shared.decode_instance().start()
+    FIGURES[f"decode with {name}: healthy after"] = shared.decode.wait_healthy(START_S)
     return shared.prefill
 
 
