@@ -16,9 +16,7 @@ the `remote_engine_id` handed to decode instances is the registry's.
 
 from __future__ import annotations
 
-import atexit
 import base64
-import contextlib
 import logging
 import os
 import threading
@@ -30,9 +28,7 @@ from typing import Any
 from workers.client import RegistryClient
 from workers.errors import (
     EngineIdentityError,
-    EngineIdMismatch,
     Forbidden,
-    NotFound,
     RegistryError,
     Unauthorized,
 )
@@ -40,6 +36,7 @@ from workers.identity import EngineIdentity, sync_engine_id
 from workers.models import Role
 from workers.vllm_plugin import ENV_URL, SUPPORTED_VLLM_VERSIONS
 from workers.vllm_plugin.compat import compat_of, vllm_version
+from workers.vllm_plugin.registration import Registration
 
 # A child of vLLM's logger, so lines appear in vLLM's output with its prefixes (rank, pid).
 log = logging.getLogger("vllm.engine_registry")
@@ -117,7 +114,7 @@ class _State:
     group_id: str = ""
     rank: int = 0
     size: int = 1
-    registration: _Registration | None = None
+    registration: Registration | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -401,73 +398,6 @@ def agent_body(connector: Any, config: Any) -> dict[str, Any]:
     }
 
 
-class _Registration:
-    """One rank's agent in the registry: registered, renewed every ttl/3, removed at exit."""
-
-    def __init__(self, settings: Settings, group_id: str, rank: int, body: dict[str, Any]):
-        self.settings = settings
-        self.group_id = group_id
-        self.rank = rank
-        self.body = {**body, "ttl_s": settings.ttl_s}
-        self.engine_id = str(body["engine_id"])
-        self.client = _client(settings)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._renew, name="engine-registry-lease", daemon=True
-        )
-
-    def _path(self) -> str:
-        return f"/tp-groups/{self.group_id}/engine/agents/{self.rank}"
-
-    def register(self) -> None:
-        self.client.request("PUT", self._path(), json=self.body)
-
-    def start(self) -> None:
-        self.register()
-        self._thread.start()
-        atexit.register(self.close)
-        log.info(
-            "engine-registry: rank %d registered agent %s of engine %s (lease %d s)",
-            self.rank,
-            self.body["agent_name"],
-            self.engine_id,
-            self.settings.ttl_s,
-        )
-
-    def _renew(self) -> None:
-        period = max(1.0, self.settings.ttl_s / 3)
-        while not self._stop.wait(period):
-            try:
-                self.client.heartbeat(
-                    self.group_id, self.rank, engine_id=self.engine_id, timeout_s=period
-                )
-            except NotFound:
-                try:  # the lease lapsed (a pause, a registry restart): register again
-                    self.register()
-                except RegistryError as exc:
-                    log.warning("engine-registry: re-registering rank %d: %s", self.rank, exc)
-            except EngineIdMismatch as exc:
-                log.warning(
-                    "engine-registry: rank %d's engine %s was superseded (%s); lease stops",
-                    self.rank,
-                    self.engine_id,
-                    exc.detail,
-                )
-                return
-            except RegistryError as exc:
-                log.warning("engine-registry: renewing rank %d's lease: %s", self.rank, exc)
-
-    def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        with contextlib.suppress(RegistryError):
-            self.client.deregister_agent(
-                self.group_id, self.rank, engine_id=self.engine_id, timeout_s=2.0
-            )
-        self.client.close()
-
-
 def _attach_registration(connector: Any, config: Any) -> None:
     """Register this rank's agent once its KV caches are registered with the connector."""
     if _state.identity is None or _state.registration is not None:
@@ -478,8 +408,13 @@ def _attach_registration(connector: Any, config: Any) -> None:
     def register_then_publish(*args: Any, **kwargs: Any) -> Any:
         result = register_kv_caches(*args, **kwargs)
         if _state.registration is None:
-            registration = _Registration(
-                Settings.from_env(), _state.group_id, _state.rank, agent_body(connector, config)
+            settings = Settings.from_env()
+            registration = Registration(
+                _client(settings),
+                settings.ttl_s,
+                _state.group_id,
+                _state.rank,
+                agent_body(connector, config),
             )
             try:
                 registration.start()
