@@ -1,0 +1,170 @@
+"""The processes a real-vLLM deployment on loopback is made of: a registry with tokens, and the
+environment vLLM needs on these CPU machines (docs/vllm-plugin.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = ROOT / ".venv-vllm"
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+}
+
+
+def say(message: str) -> None:
+    print(f"[vllm-launch] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_python() -> str:
+    """The interpreter of the vLLM environment (this one when it already is)."""
+    candidate = VLLM_VENV / "bin" / "python"
+    return str(candidate) if candidate.exists() else sys.executable
+
+
+def base_env() -> dict[str, str]:
+    """The environment that mattered for vLLM on these CPU machines (docs/vllm-plugin.md)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("ENGINE_REGISTRY_") and k not in ("PYTHONPATH", "VLLM_PLUGINS")
+    }
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        TORCHDYNAMO_DISABLE="1",
+        VLLM_HOST_IP="127.0.0.1",
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class Proc:
+    """One child in its own process group, logging to a file; killed as a group."""
+
+    def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path):
+        self.name = name
+        self.cmd = list(cmd)
+        self.log_path = log
+        self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            self.cmd,
+            cwd=ROOT,
+            env=dict(env),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            if self.wait(grace_s) is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.wait(5)
+        # Children left behind in the group (workers) go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self._log.close()
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One bearer token per role, as a production registry's tokens file holds them."""
+
+    reader: str
+    worker: str
+    admin: str
+
+    @classmethod
+    def fresh(cls) -> Tokens:
+        return cls(*(f"{role}-{secrets.token_urlsafe(24)}" for role in ROLES))
+
+    def write(self, path: Path) -> Path:
+        path.touch(mode=0o600)
+        path.write_text("".join(f"{r}:{getattr(self, r)}\n" for r in ROLES), encoding="utf-8")
+        return path
+
+
+ROLES = ("reader", "worker", "admin")
+
+
+@dataclass
+class Registry:
+    """A registry with tokens (the vLLM plugin holds the worker one, readers the reader one)."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    tokens: Tokens = field(default_factory=Tokens.fresh)
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def headers(self, role: str = "reader") -> dict[str, str]:
+        return {"Authorization": f"Bearer {getattr(self.tokens, role)}"}
+
+    def start(self, timeout_s: float = 30.0) -> Registry:
+        tokens = self.tokens.write(self.workdir / f"registry-{self.port}.tokens")
+        cmd = [
+            vllm_python(), "-m", "app", "serve", "--host", "127.0.0.1",
+            "--port", str(self.port), "--store", f"sqlite:///{self.workdir}/registry-{self.port}.db",
+            "--tokens-file", str(tokens),
+        ]  # fmt: skip
+        self.proc = Proc(
+            f"registry:{self.port}", cmd, base_env(), self.workdir / f"registry-{self.port}.log"
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise RuntimeError(f"registry exited: {self.proc.text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        raise TimeoutError(f"registry did not serve within {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
