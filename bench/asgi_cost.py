@@ -100,6 +100,7 @@ async def registry_calls(app: Any) -> dict[str, Call]:
     assert await put() in (200, 201)
     get = caller(app, "GET", "/tp-groups/p0/engine")
     eid = await _engine_id(app)
+    agents = []
     for rank in range(TP):
         agent = {
             "engine_id": eid,
@@ -111,7 +112,10 @@ async def registry_calls(app: Any) -> dict[str, Call]:
             "ttl_s": 3600,
         }  # fmt: skip
         assert await caller(app, "PUT", f"/tp-groups/p0/engine/agents/{rank}", agent)() < 300
+        agents.append(agent)
     return {
+        "open": put,  # the same launch again: answered from the engine it opened
+        "register": caller(app, "PUT", "/tp-groups/p0/engine/agents/3", agents[3]),
         "get_engine": get,
         "handshake": caller(app, "POST", f"/engines/{eid}/handshake", {"tp_size": TP, "rank": 3}),
         "heartbeat": caller(
@@ -142,7 +146,7 @@ async def main(profile: str | None) -> dict[str, float]:
     from app import logs
     from app.main import create_app
     from app.settings import Settings
-    from bench.minimal import fastapi_app
+    from bench.minimal import fastapi_app, routes_app
 
     # Logging as the service configures it (one JSON line per request), written nowhere.
     logs.configure("info")
@@ -152,6 +156,10 @@ async def main(profile: str | None) -> dict[str, float]:
     out: dict[str, float] = {}
     floor = fastapi_app()
     out["fastapi_get_us"] = await cost(caller(floor, "GET", "/ping"))
+    # The storm's routes with the same request models and no work (bench.minimal routes).
+    routes = routes_app()
+    for name, call in (await registry_calls(routes)).items():
+        out[f"floor_{name}_us"] = await cost(call)
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(store=f"sqlite:///{Path(tmp) / 'cost.db'}")
         app = create_app(settings)
@@ -168,6 +176,8 @@ async def main(profile: str | None) -> dict[str, float]:
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
                 PROFILES.append(text.getvalue())
+    for name in ("open", "register", "get_engine", "handshake"):
+        out[f"{name}_vs_floor"] = round(out[f"floor_{name}_us"] / out[f"{name}_us"], 2)
     for name in ("get_engine", "handshake", "heartbeat"):
         out[f"{name}_vs_fastapi_get"] = round(out["fastapi_get_us"] / out[f"{name}_us"], 2)
     return {k: round(v, 1) if k.endswith("_us") else v for k, v in out.items()}

@@ -37,14 +37,16 @@ from bench.storm_core import (
 
 
 class EtcdStorm:
-    def __init__(self, endpoint: str, ranks: int, prefix: str) -> None:
+    def __init__(
+        self, endpoint: str, ranks: int, prefix: str, blob_bytes: int | None = None
+    ) -> None:
         self.host, port = endpoint.rsplit(":", 1)
         self.port = int(port)
         self.prefix = prefix
         self.groups = _groups(ranks)
         self.ranks = len(self.groups) * TP
         self.rec = Recorder()
-        self.blobs = make_blobs(self.ranks)
+        self.blobs = make_blobs(self.ranks, blob_bytes)
         self.opened: dict[str, asyncio.Future[str]] = {}
         self.complete: dict[str, asyncio.Event] = {}
         self.registered: dict[str, int] = defaultdict(int)
@@ -128,8 +130,9 @@ class EtcdStorm:
         }
 
 
-def etcd_storm(endpoint: str, ranks: int) -> dict[str, Any]:
-    return asyncio.run(EtcdStorm(endpoint, ranks, f"/bench-{uuid.uuid4().hex[:8]}").run())
+def etcd_storm(endpoint: str, ranks: int, blob_bytes: int | None = None) -> dict[str, Any]:
+    prefix = f"/bench-{uuid.uuid4().hex[:8]}"
+    return asyncio.run(EtcdStorm(endpoint, ranks, prefix, blob_bytes).run())
 
 
 # -- ceilings ------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@
   like an agent registration), the framework's ceiling: what any FastAPI service answers on
   this machine before it does any work.
 - ``raw``: a bare ASGI callable answering a fixed body, to find the load client's own ceiling.
+- ``routes``: the framework's floor for the launch storm of ``bench.storm_lean``: the
+  registry's four storm routes with its own request models (``app.schemas``), answering
+  fixed bodies of the registry's shape, with no storage and no logic.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
+
+# At module level: FastAPI resolves the routes' (string) annotations in this namespace.
+from app.schemas import EngineIdBody, HandshakeRequest, OpenEngineRequest, RegisterAgentRequest
 
 PING = b'{"ok":true}'
 
@@ -64,6 +70,45 @@ def fastapi_app() -> Any:
     return app
 
 
+def routes_app() -> Any:
+    import base64
+    import uuid
+
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    blob = base64.b64encode(bytes(4096)).decode()
+
+    def engine(group_id: str) -> dict[str, Any]:
+        return {"group_id": group_id, "engine_id": str(uuid.uuid5(uuid.NAMESPACE_URL, group_id)),
+                "generation": 1, "tp_size": 8, "ready": False}  # fmt: skip
+
+    @app.put("/tp-groups/{group_id}/engine", status_code=201)
+    async def open_engine(group_id: str, body: OpenEngineRequest) -> dict[str, Any]:
+        return engine(group_id) | {"launch_id": body.launch_id, "role": body.role}
+
+    @app.get("/tp-groups/{group_id}/engine")
+    async def get_engine(group_id: str) -> dict[str, Any]:
+        return engine(group_id)
+
+    @app.put("/tp-groups/{group_id}/engine/agents/{rank}", status_code=201)
+    async def register(group_id: str, rank: int, body: RegisterAgentRequest) -> dict[str, Any]:
+        return {"engine_id": body.engine_id, "rank": rank, "agent_name": body.agent_name,
+                "host": body.host, "ttl_s": body.ttl_s}  # fmt: skip
+
+    @app.post("/tp-groups/{group_id}/engine/agents/{rank}/heartbeat")
+    async def heartbeat(group_id: str, rank: int, body: EngineIdBody) -> dict[str, Any]:
+        return {"expires_at": ""}
+
+    @app.post("/engines/{engine_id}/handshake")
+    async def handshake(engine_id: str, body: HandshakeRequest) -> dict[str, Any]:
+        target = {"rank": body.rank, "agent_name": "a", "agent_metadata": blob, "host": "h",
+                  "kv": {}, "expires_at": ""}  # fmt: skip
+        return {"engine_id": engine_id, "targets": [target]}
+
+    return app
+
+
 def uvicorn_options() -> dict[str, Any]:
     """The registry's own server settings (app/server.py), so ceilings run under them."""
     from app.server import uvicorn_options as registry_options
@@ -76,7 +121,7 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     kind, port = argv[0], int(argv[1])
-    app = raw_app if kind == "raw" else fastapi_app()
+    app = {"raw": lambda: raw_app, "fastapi": fastapi_app, "routes": routes_app}[kind]()
     uvicorn.run(app, host="127.0.0.1", port=port, **uvicorn_options())
     return 0
 

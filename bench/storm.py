@@ -80,7 +80,14 @@ __all__ = ["BLOB_MAX", "BLOB_MIN", "COMPAT", "HEARTBEAT_S", "PACED_S", "STORM_TI
 
 
 class HttpStorm:
-    def __init__(self, url: str, ranks: int, connections: int, spread_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        ranks: int,
+        connections: int,
+        spread_s: float = 0.0,
+        blob_bytes: int | None = None,
+    ) -> None:
         self.url = url
         # 0: every rank starts at once (the storm); else groups launch evenly over spread_s.
         self.spread_s = spread_s
@@ -88,7 +95,7 @@ class HttpStorm:
         self.ranks = len(self.groups) * TP
         self.connections = connections
         self.rec = Recorder()
-        self.blobs = [base64.b64encode(b).decode() for b in make_blobs(self.ranks)]
+        self.blobs = [base64.b64encode(b).decode() for b in make_blobs(self.ranks, blob_bytes)]
         self.opened: dict[str, asyncio.Future[str]] = {}
         self.registered: dict[str, int] = defaultdict(int)
         self.ready_at: dict[str, float] = {}
@@ -265,9 +272,13 @@ class HttpStorm:
 
 
 def http_storm(
-    url: str, ranks: int, connections: int = 1024, spread_s: float = 0.0
+    url: str,
+    ranks: int,
+    connections: int = 1024,
+    spread_s: float = 0.0,
+    blob_bytes: int | None = None,
 ) -> dict[str, Any]:
-    result = asyncio.run(HttpStorm(url, ranks, connections, spread_s).run())
+    result = asyncio.run(HttpStorm(url, ranks, connections, spread_s, blob_bytes).run())
     return result | ({"spread_s": spread_s} if spread_s else {})
 
 

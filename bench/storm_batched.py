@@ -109,7 +109,9 @@ class BatchedStorm(HttpStorm):
         raise RuntimeError(f"handshake {gid} never answered 200")
 
 
-def batched_storm(url: str, ranks: int, connections: int = 1024) -> dict[str, Any]:
-    result = asyncio.run(BatchedStorm(url, ranks, connections).run())
+def batched_storm(
+    url: str, ranks: int, connections: int = 1024, blob_bytes: int | None = None
+) -> dict[str, Any]:
+    result = asyncio.run(BatchedStorm(url, ranks, connections, blob_bytes=blob_bytes).run())
     result["requests_per_group"] = round(result["requests"] / result["groups"], 2)
     return result | {"batched": True}

@@ -16,6 +16,9 @@ TP = 8
 HEARTBEAT_S = 10.0
 TTL_S = 30
 BLOB_MIN, BLOB_MAX = 4 * 1024, 256 * 1024
+# The issue's storm: every agent's metadata 4 KiB (NIXL's UCX metadata for one DRAM or GPU
+# region is a few KiB). ``None``: the heavier mix of 4 KiB to 256 KiB, log-uniform.
+ISSUE_BLOB = 4 * 1024
 STORM_TIMEOUT_S = 300.0
 PACED_S = 8.0
 COMPAT: dict[str, Any] = {
@@ -40,10 +43,12 @@ def blob_sizes(n: int, seed: int = 6) -> list[int]:
     return [int(math.exp(rng.uniform(lo, hi))) for _ in range(n)]
 
 
-def make_blobs(n: int) -> list[bytes]:
-    """Distinct pseudo-random blobs (a rank-specific header over shared random bytes)."""
+def make_blobs(n: int, size: int | None = None) -> list[bytes]:
+    """Distinct pseudo-random blobs (a rank-specific header over shared random bytes), all of
+    ``size`` bytes, or of the log-uniform mix when ``size`` is None."""
     pool = random.Random(7).randbytes(BLOB_MAX)
-    return [f"rank{i:06d}".encode() + pool[: s - 10] for i, s in enumerate(blob_sizes(n))]
+    sizes = [size] * n if size else blob_sizes(n)
+    return [f"rank{i:06d}".encode() + pool[: s - 10] for i, s in enumerate(sizes)]
 
 
 @dataclass
