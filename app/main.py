@@ -52,6 +52,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         summary="One engine_id per launch of a TP group, and its ranks' NIXL agents.",
         lifespan=lifespan,
         strict_content_type=False,
+        # FastAPI looks for OpenTelemetry providers at every request unless told not to.
+        telemetry=None if settings.otel else {"tracing": False, "metrics": False, "logs": False},
     )
     app.include_router(tp_groups.router)
     app.include_router(engines.router)

@@ -4,6 +4,7 @@ top-level fields and out-of-range values are refused (422) before anything is to
 from __future__ import annotations
 
 import binascii
+import functools
 import ipaddress
 import re
 from typing import Annotated, Any, Literal
@@ -68,8 +69,11 @@ class KvDescription(BaseModel):
     block_len: Annotated[StrictInt, Field(ge=1)]
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_host(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The host as an IP address, None for a DNS name; ValueError when it is neither."""
+    """The host as an IP address, None for a DNS name; ValueError when it is neither.
+    Cached: a fleet has few hosts, each registering all its ranks (a ValueError is not
+    cached and costs the parse again)."""
     try:
         return ipaddress.ip_address(value)
     except ValueError:

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     fast_path: bool = Field(
         True, description="Answer the hot routes without FastAPI's per-request machinery."
     )
+    otel: bool = Field(
+        False,
+        description="FastAPI's own OpenTelemetry spans and metrics, for a process with an "
+        "OpenTelemetry SDK set up (opentelemetry-instrument); off: never checked per request.",
+    )
 
     @field_validator("store")
     @classmethod

@@ -20,16 +20,19 @@ MAX_ATTEMPTS = 200
 R = TypeVar("R", bound=BaseModel)
 
 
-_SECOND: list[Any] = [None, ""]  # the last second formatted, and its text
+_SECONDS: dict[int, str] = {}  # whole seconds formatted lately (now, now + each ttl, ...)
 
 
 def utc_iso(ts: float) -> str:
-    """``2026-11-29T14:00:00.123Z``; the seconds part is formatted once per second."""
+    """``2026-11-29T14:00:00.123Z``; each whole second is formatted once (a request formats
+    both now and now + its ttl, so one cached second would be replaced at every call)."""
     whole = int(ts)
-    if _SECOND[0] != whole:
-        _SECOND[1] = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-        _SECOND[0] = whole
-    return f"{_SECOND[1]}.{int((ts - whole) * 1000):03d}Z"
+    text = _SECONDS.get(whole)
+    if text is None:
+        if len(_SECONDS) >= 4096:
+            _SECONDS.clear()
+        text = _SECONDS[whole] = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{int((ts - whole) * 1000):03d}Z"
 
 
 class EngineRecord(BaseModel):

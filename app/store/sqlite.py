@@ -78,6 +78,9 @@ class SqliteStore(Store):
         self._next_lease = 1
         # Keys whose latest change is not yet durable: key -> (sequence, its commit).
         self._pending: dict[str, tuple[int, asyncio.Future[None]]] = {}
+        # For each "directory" (a key's prefix up to a "/") the latest change under it on its
+        # way to the file: commits land in order, so when it is durable all earlier ones are.
+        self._pending_dirs: dict[str, tuple[int, asyncio.Future[None]]] = {}
         self._inflight = 0
         self._seq = 0
         # Leases renewed since their expiry was last written (see refresh_lease).
@@ -112,6 +115,7 @@ class SqliteStore(Store):
         heapq.heapify(self._expiry)
         self._revision, self._next_lease = loaded.revision, loaded.next_lease
         self._pending.clear()
+        self._pending_dirs.clear()
         self._inflight = 0
         self._loaded = True
         self._failure = None
@@ -209,14 +213,21 @@ class SqliteStore(Store):
         fut = self._thread.commit(change)
         self._inflight += 1
         touched = list(keys)
+        dirs = {d for key in touched for d in _dirs(key)}
+        item = (seq, fut)
         for key in touched:
-            self._pending[key] = (seq, fut)
+            self._pending[key] = item
+        for d in dirs:
+            self._pending_dirs[d] = item
 
         def done(f: asyncio.Future[None]) -> None:
             self._inflight -= 1
             for key in touched:
                 if self._pending.get(key, (0, None))[1] is f:
                     del self._pending[key]
+            for d in dirs:
+                if self._pending_dirs.get(d, (0, None))[1] is f:
+                    del self._pending_dirs[d]
             if not f.cancelled() and isinstance(exc := f.exception(), FileFailure):
                 self._fail(exc)
 
@@ -267,7 +278,14 @@ class SqliteStore(Store):
     async def range(self, prefix: str) -> Snapshot:
         await self._usable()
         if self._pending:
-            await self._settled([k for k in self._pending if k.startswith(prefix)])
+            if prefix.endswith("/"):  # the latest change under it, whose commit covers the rest
+                deadline = time.monotonic() + self._timeout_s
+                while (item := self._pending_dirs.get(prefix)) is not None:
+                    await self._durable(item[1], deadline)  # raises if it failed
+                    if self._pending_dirs.get(prefix) is item:
+                        break  # committed; its bookkeeping callback has yet to run
+            else:
+                await self._settled([k for k in self._pending if k.startswith(prefix)])
         now = time.time()
         entries = [e for k in self._under(prefix) if self._alive(e := self._kv[k], now)]
         remaining = {
@@ -432,3 +450,13 @@ class SqliteStore(Store):
 
     def stats(self) -> dict[str, Any]:
         return {"keys": len(self._kv), "leases": len(self._leases), "pending": self._inflight}
+
+
+def _dirs(key: str) -> list[str]:
+    """``a/b/c`` -> ``a/``, ``a/b/``."""
+    out = []
+    i = key.find("/")
+    while i >= 0:
+        out.append(key[: i + 1])
+        i = key.find("/", i + 1)
+    return out

@@ -188,28 +188,35 @@ class SqliteFile:
     # -- writing ---------------------------------------------------------------------------
 
     def commit(self, changes: list[Change]) -> None:
-        """Write every change in one transaction, or none of them."""
+        """Write every change in one transaction, or none of them.
+
+        The batch is first reduced to each key's and each lease's last state (one
+        transaction: what lies between is never seen), then written with a few multi-row
+        statements. The connection's thread gives up the GIL around every statement SQLite
+        steps, and must win it back from the busy event loop each time: a statement per row
+        would make a batch of a thousand rows a thousand such hand-overs."""
+        kv: dict[str, Entry | None] = {}
+        leases: dict[int, tuple[int, int, float] | None] = {}
+        for change in changes:  # in order, each change's parts in the order they apply
+            for lease in change.lease_puts:
+                leases[lease[0]] = lease
+            for key in change.deletes:
+                kv[key] = None
+            for entry in change.puts:
+                kv[entry.key] = entry
+            for lease_id in change.lease_deletes:
+                leases[lease_id] = None
+        last = changes[-1]
 
         def write(conn: sqlite3.Connection) -> None:
-            for change in changes:
-                if change.lease_puts:
-                    conn.executemany(
-                        "INSERT OR REPLACE INTO leases(id, ttl_s, expires_at) VALUES (?,?,?)",
-                        change.lease_puts,
-                    )
-                if change.deletes:
-                    conn.executemany("DELETE FROM kv WHERE key=?", [(k,) for k in change.deletes])
-                if change.puts:
-                    conn.executemany(
-                        "INSERT OR REPLACE INTO kv(key, value, mod_revision, lease) "
-                        "VALUES (?,?,?,?)",
-                        [(e.key, e.value, e.mod_revision, e.lease) for e in change.puts],
-                    )
-                if change.lease_deletes:
-                    conn.executemany(
-                        "DELETE FROM leases WHERE id=?", [(i,) for i in change.lease_deletes]
-                    )
-            last = changes[-1]
+            _rows(conn, _DELETE_KV, [(k,) for k, e in kv.items() if e is None])
+            _rows(
+                conn,
+                _PUT_KV,
+                [(e.key, e.value, e.mod_revision, e.lease) for e in kv.values() if e is not None],
+            )
+            _rows(conn, _PUT_LEASE, [lease for lease in leases.values() if lease is not None])
+            _rows(conn, _DELETE_LEASE, [(i,) for i, lease in leases.items() if lease is None])
             conn.executemany(
                 "UPDATE meta SET v=? WHERE k=?",
                 [(last.revision, "revision"), (last.next_lease, "next_lease")],
@@ -257,3 +264,24 @@ class SqliteFile:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+# Multi-row statements, in chunks of a power of two rows (at most 256: 1,024 parameters),
+# so that few distinct statements exist for the connection's statement cache.
+_DELETE_KV = ("DELETE FROM kv WHERE key IN ({})", "?")
+_PUT_KV = ("INSERT OR REPLACE INTO kv(key, value, mod_revision, lease) VALUES {}", "(?,?,?,?)")
+_PUT_LEASE = ("INSERT OR REPLACE INTO leases(id, ttl_s, expires_at) VALUES {}", "(?,?,?)")
+_DELETE_LEASE = ("DELETE FROM leases WHERE id IN ({})", "?")
+_CHUNK = 256
+
+
+def _rows(
+    conn: sqlite3.Connection, statement: tuple[str, str], rows: list[tuple[object, ...]]
+) -> None:
+    template, one = statement
+    start = 0
+    while start < len(rows):
+        size = min(_CHUNK, 1 << (len(rows) - start).bit_length() - 1)
+        chunk = rows[start : start + size]
+        conn.execute(template.format(",".join([one] * size)), [v for row in chunk for v in row])
+        start += size

@@ -1,0 +1,136 @@
+"""The SQLite store's group commit, on a real file: while the file's thread is held busy,
+changes queue up and are then written as one batch, reduced to each key's last state; reads
+wait exactly for the changes under their prefix that are not durable yet."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from app.store import Delete, Put
+from app.store.sqlite import SqliteStore
+
+
+async def _hold_thread(store: SqliteStore) -> tuple[threading.Event, asyncio.Task[None]]:
+    """Occupy the file's thread until the returned event is set."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def block() -> None:
+        started.set()
+        release.wait(10.0)
+
+    held = asyncio.ensure_future(store._thread.call(block, 10.0))
+    for _ in range(200):  # bounded: the thread starts within a second
+        if started.is_set():
+            break
+        await asyncio.sleep(0.005)
+    assert started.is_set(), "the file thread never ran the blocking call"
+    return release, held
+
+
+def test_a_batch_keeps_each_keys_last_state_after_a_reload(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
+        await store.start()
+        lease = await store.grant_lease(60)
+        gone = await store.grant_lease(60)
+        release, held = await _hold_thread(store)
+        batches: tuple[list[Put | Delete], ...] = (
+            [Put("g/a", b"1"), Put("g/b", b"1", lease=lease.id), Put("g/e", b"1")],
+            [Delete("g/a")],
+            [Put("g/a", b"2"), Put("g/c", b"x")],
+            [Delete("g/c"), Put("g/b", b"3", lease=lease.id)],
+            [Put("h/d", b"4", lease=gone.id)],
+            [Delete("g/e"), Put("g/e", b"5")],  # one change deleting, then putting a key
+        )
+        writes = [asyncio.ensure_future(store.txn([], ops)) for ops in batches]
+        await asyncio.sleep(0)
+        revoked = asyncio.ensure_future(store.revoke_lease(gone.id))  # takes h/d with it
+        await asyncio.sleep(0.05)
+        assert not any(w.done() for w in writes), "a write answered before it was durable"
+        release.set()
+        await held
+        results = await asyncio.gather(*writes)
+        assert all(r.succeeded for r in results)
+        await revoked
+        await store.close()
+
+        again = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
+        await again.start()
+        try:
+            snap = await again.range("")
+            assert {e.key: e.value for e in snap.entries} == {
+                "g/a": b"2",
+                "g/b": b"3",
+                "g/e": b"5",
+            }
+            assert next(e for e in snap.entries if e.key == "g/b").lease == lease.id
+        finally:
+            await again.close()
+
+    asyncio.run(main())
+
+
+def test_a_range_waits_for_pending_changes_under_its_prefix_only(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
+        await store.start()
+        try:
+            await store.txn([], [Put("groups/other/engine", b"o")])
+            release, held = await _hold_thread(store)
+            write = asyncio.ensure_future(store.txn([], [Put("groups/g/agents/00001", b"a")]))
+            await asyncio.sleep(0)
+            under = asyncio.ensure_future(store.range("groups/g/"))
+            parent = asyncio.ensure_future(store.range("groups/"))
+            # A prefix that does not end at a "/" takes the per-key path.
+            partial = asyncio.ensure_future(store.range("groups/g/age"))
+            elsewhere = await asyncio.wait_for(store.range("groups/other/"), 1.0)
+            assert [e.value for e in elsewhere.entries] == [b"o"]
+            await asyncio.sleep(0.05)
+            assert not under.done()
+            assert not parent.done()
+            assert not partial.done()
+            release.set()
+            await held
+            await write
+            for read in (under, parent, partial):
+                snap = await asyncio.wait_for(read, 5.0)
+                assert b"a" in [e.value for e in snap.entries]
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_larger_than_one_statement_is_written_whole(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
+        await store.start()
+        release, held = await _hold_thread(store)
+        # 300 rows: statements of 256, 32, 8 and 4 rows; then 299 deleted in one batch.
+        writes = [
+            asyncio.ensure_future(store.txn([], [Put(f"k/{i:04d}", b"v")])) for i in range(300)
+        ]
+        await asyncio.sleep(0.05)
+        release.set()
+        await held
+        await asyncio.gather(*writes)
+        release, held = await _hold_thread(store)
+        deletes = [
+            asyncio.ensure_future(store.txn([], [Delete(f"k/{i:04d}")])) for i in range(1, 300)
+        ]
+        await asyncio.sleep(0.05)
+        release.set()
+        await held
+        await asyncio.gather(*deletes)
+        await store.close()
+        again = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
+        await again.start()
+        try:
+            assert [e.key for e in (await again.range("k/")).entries] == ["k/0000"]
+        finally:
+            await again.close()
+
+    asyncio.run(main())
