@@ -4,7 +4,8 @@ Events are recorded into a bounded in-memory buffer on the replica that saw them
 to the store in batches, at most once per ``flush_interval_s`` (one transaction per 100
 events; etcd refuses larger ones by default). A request never waits for a store write:
 recording is a dictionary update. The store keeps the newest ``keep`` events under
-``events/{id}``; older ones are deleted when the count passes ``keep`` by a margin.
+``events/{id}``: once a replica's count passes ``keep + keep // 10`` it deletes the oldest
+(so the store holds at most that many per replica writing).
 
 Handshakes are recorded only when they are new information: the first plan of a decode rank
 (by its TP size and rank) against a prefill engine_id (one engine_id per generation). A rank
@@ -23,14 +24,13 @@ import os
 import re
 import time
 from collections.abc import Hashable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from app.errors import InvalidRequest, RegistryError, StoreUnavailable
 from app.metrics import Metrics
-from app.registry.records import utc_iso
 from app.store import Delete, Put, Store
 
 log = logging.getLogger("app.events")
@@ -53,6 +53,10 @@ REFUSALS = frozenset(
 
 _ID = re.compile(r"^\d{13}-[0-9a-f]{8}-\d{6}$")
 _TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$")
+
+
+def utc_iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class Event(BaseModel):
@@ -99,6 +103,7 @@ class EventLog:
         self.metrics = metrics
         self.keep = keep
         self.flush_interval_s = flush_interval_s
+        self.slack = max(1, keep // 10)  # trimmed past keep + slack: a range read per slack
         self.replica = os.urandom(4).hex()
         self._seq = itertools.count(1)
         self._pending: dict[Hashable, Event] = {}
@@ -226,7 +231,7 @@ class EventLog:
     async def _trim(self, written: int) -> None:
         if self._stored is not None:
             self._stored += written
-            if self._stored <= self.keep + TXN_OPS:
+            if self._stored <= self.keep + self.slack:
                 return
         keys = [e.key for e in (await self.store.range(PREFIX)).entries]
         self._stored = len(keys)

@@ -19,10 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from app.events import EventLog
 from app.metrics import Metrics
-from app.registry.state import GroupState
+
+if TYPE_CHECKING:
+    from app.registry.state import GroupState
 
 # An agent gone within this much of its expiry instant counts as expired (clock granularity
 # of the stores' sweeps), not as deregistered early.

@@ -15,10 +15,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from html import escape
+from typing import TYPE_CHECKING
 
 from app.events import REFUSALS, Event
 from app.observer import Observer
-from app.registry.state import GroupState
+
+if TYPE_CHECKING:
+    from app.registry.state import GroupState
 
 REFRESH_S = 5
 STATES = ("", "ready", "not_ready")

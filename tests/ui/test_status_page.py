@@ -29,8 +29,6 @@ from tests.support.server import RegistryProcess
 READER = "reader-token-0123456789abcdef"
 WORKER = "worker-token-0123456789abcdef"
 NODE_MODULES = Path("/usr/lib/node_modules")
-AXE = NODE_MODULES / "axe-core" / "axe.min.js"
-VNU = NODE_MODULES / "vnu-jar" / "build" / "dist" / "vnu.jar"
 
 
 def _npm_root() -> Path:
