@@ -17,7 +17,7 @@ aggregate with ``max``, not ``sum`` (deploy/monitoring/ does).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,7 @@ class Seen:
     host: str
     lease: int
     expires_at: float
+    gone: bool = False  # remembered for its host after it went (and was counted)
 
 
 def _ts(iso: str) -> float:
@@ -72,15 +73,19 @@ class Observer:
                 r: Seen(eid, a.host, a.lease, state.expires_at[r]) for r, a in state.agents.items()
             }
             for rank, old in before.items():
+                if old.gone:
+                    if rank not in seen and old.engine_id == eid:
+                        seen[rank] = old
+                    continue
                 if old.engine_id != eid or old.expires_at > now + SLACK_S:
                     # superseded, or gone (deregistered) before its lease ran out
                     if rank not in seen and old.engine_id == eid:
-                        seen[rank] = old  # remember its host while it is missing
+                        seen[rank] = replace(old, gone=True)  # its host, while it is missing
                     continue
                 new = seen.get(rank)
                 if new is None:
                     self._expired(gid, rank, old, engine.generation)
-                    seen[rank] = old
+                    seen[rank] = replace(old, gone=True)
                 elif new.lease != old.lease and old.expires_at <= _ts(
                     state.agents[rank].registered_at
                 ):

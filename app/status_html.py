@@ -23,7 +23,7 @@ from app.observer import Observer
 if TYPE_CHECKING:
     from app.registry.state import GroupState
 
-REFRESH_S = 5
+REFRESH_S = 5  # up to 200 groups; one second more for each further 100 (at most 30 s)
 STATES = ("", "ready", "not_ready")
 ROLES = ("", "prefill", "decode", "both")
 
@@ -41,6 +41,7 @@ form{margin:.4rem 0}label{margin-right:.8rem}details summary{cursor:pointer}
 SCRIPT = """
 (function(){
   var lost = document.getElementById("lost");
+  var every = Number(document.body.dataset.refresh) || 5;
   async function poll(){
     try {
       var r = await fetch(location.href, {credentials: "same-origin", cache: "no-store",
@@ -51,13 +52,18 @@ SCRIPT = """
       lost.hidden = true;
     } catch (e) {
       lost.textContent = "Lost the registry at " + new Date().toISOString() +
-        " (" + e.message + "); the page below is from before. Retrying every REFRESH s.";
+        " (" + e.message + "); the page below is from before. Retrying every " + every + " s.";
       lost.hidden = false;
     }
   }
-  setInterval(poll, REFRESH * 1000);
+  setInterval(poll, every * 1000);
 })();
-""".replace("REFRESH", str(REFRESH_S))
+"""
+
+
+def refresh_s(groups: int) -> int:
+    """Seconds between polls: a large registry's page is larger and costs more to build."""
+    return min(30, REFRESH_S + max(0, groups - 200) // 100)
 
 
 def _csp_hash(text: str) -> str:
@@ -177,17 +183,18 @@ def render(
     if not event_rows:
         event_rows = '<tr><td colspan="4">No events yet.</td></tr>'
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    every = refresh_s(len(states))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>Engine registry status</title>
-<noscript><meta http-equiv="refresh" content="{REFRESH_S * 2}"></noscript>
+<noscript><meta http-equiv="refresh" content="{every * 2}"></noscript>
 <style>{STYLE}</style></head>
-<body><header><h1>Engine registry status</h1>
+<body data-refresh="{every}"><header><h1>Engine registry status</h1>
 <p id="lost" role="alert" hidden></p></header>
 <main>
 <p id="stamp">Read at {stamp}: {len(states)} groups, {ready} ready, {len(states) - ready} not
-ready; showing {len(shown)}. Refreshes every {REFRESH_S} s.</p>
+ready; showing {len(shown)}. Refreshes every {every} s.</p>
 <form method="get" action="/status">{_options("role", ROLES, filters.role)}
 {_options("state", STATES, filters.state)}<button type="submit">Filter</button></form>
 <section aria-labelledby="groups-h"><h2 id="groups-h">Groups</h2>

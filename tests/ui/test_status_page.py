@@ -95,6 +95,13 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
             while c.get("/tp-groups/prefill-partial/engine").json()["ready"]:
                 assert time.monotonic() < deadline, "rank 3's 5 s lease never expired"
                 time.sleep(0.25)
+        with httpx.Client(base_url=proc.url, headers=reader, timeout=30) as c:
+            for _ in range(3):  # more reads after the expiry: counted once all the same
+                assert c.get("/status").status_code == 200
+            expired = [e for e in c.get("/events").json()["events"] if e["kind"] == "lease_expired"]
+            assert [(e["group_id"], e["fields"]["rank"]) for e in expired] == [
+                ("prefill-partial", 3)
+            ]
         yield proc
 
 
