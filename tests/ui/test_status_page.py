@@ -28,6 +28,7 @@ from tests.support.server import RegistryProcess
 
 READER = "reader-token-0123456789abcdef"
 WORKER = "worker-token-0123456789abcdef"
+HOSTILE = "<img/src=x/onerror=document.title='pwned'>"
 NODE_MODULES = Path("/usr/lib/node_modules")
 
 
@@ -91,6 +92,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
             assert hs.status_code == 200, hs.text
             wrong = c.put("/tp-groups/decode-0/engine/agents/1", json=agent_body(ready, 1))
             assert wrong.json()["cause"] == "other_group", wrong.text
+            # Client input that is markup must show as text, never become elements.
+            hostile = c.put("/tp-groups/decode-0/engine/agents/1", json=agent_body(HOSTILE, 1))
+            assert hostile.json()["cause"] == "unknown", hostile.text
             deadline = time.monotonic() + 20
             while c.get("/tp-groups/prefill-partial/engine").json()["ready"]:
                 assert time.monotonic() < deadline, "rank 3's 5 s lease never expired"
@@ -144,6 +148,9 @@ def test_the_page_shows_groups_missing_ranks_hosts_and_refusals(
     assert "lease_expired" in events
     assert "node-b.example" in events
     assert "decode TP 2 ranks 0 planned against prefill engine" in events
+    assert HOSTILE in events
+    assert browser.evaluate("document.querySelectorAll('img').length") == 0
+    assert browser.evaluate("document.title") == "Engine registry status"
     shot = browser.screenshot(tmp_path / "status.png")
     assert shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
