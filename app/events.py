@@ -82,8 +82,12 @@ def since_key(since: str | None) -> str:
     if _ID.fullmatch(since):
         return f"{PREFIX}{since}~"  # "~" sorts after every id character: strictly after
     if _TIME.fullmatch(since):
-        ms = int(datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp() * 1000)
-        return f"{PREFIX}{ms:013d}"
+        try:
+            ms = int(datetime.fromisoformat(since.replace("Z", "+00:00")).timestamp() * 1000)
+        except (ValueError, OverflowError):
+            ms = -1
+        if ms >= 0:
+            return f"{PREFIX}{ms:013d}"
     raise InvalidRequest(
         f"since={since!r} is neither an event id (like 1764543600000-1a2b3c4d-000001, the "
         "last_id of a previous answer) nor an RFC 3339 time (like 2026-11-30T23:00:00Z).",
@@ -108,6 +112,7 @@ class EventLog:
         self._seq = itertools.count(1)
         self._pending: dict[Hashable, Event] = {}
         self._seen: dict[tuple[str, int], set[int]] = {}
+        self._parsed: dict[str, Event] = {}
         self._stored: int | None = None  # events in the store, as last counted plus written
         self._last_flush = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -255,7 +260,12 @@ class EventLog:
         replica has not written yet are included."""
         low = since_key(since)
         snap = await self.store.range(PREFIX)
-        by_id = {e.key: Event.model_validate_json(e.value) for e in snap.entries if e.key >= low}
+        parsed = {}  # stored events never change: each is parsed once
+        for entry in snap.entries:
+            held = self._parsed.get(entry.key)
+            parsed[entry.key] = held or Event.model_validate_json(entry.value)
+        self._parsed = parsed
+        by_id = {k: e for k, e in parsed.items() if k >= low}
         for event in self._pending.values():
             if PREFIX + event.id >= low:
                 by_id.setdefault(PREFIX + event.id, event)

@@ -139,7 +139,8 @@ def test_since_and_limit_page_through_events(api: httpx.Client) -> None:
     at = page["events"][0]["at"]
     from_time = events(api, since=at, limit=1000)["events"]
     assert from_time[0]["id"] <= page["events"][0]["id"]
-    invalid(api.get("/events", params={"since": "yesterday"}))
+    for bad in ("yesterday", "2026-13-45T25:61:61Z", "0001-01-01T00:00:00+01:00", "x" * 65):
+        invalid(api.get("/events", params={"since": bad}))
     invalid(api.get("/events", params={"limit": 0}))
 
 

@@ -13,8 +13,8 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
@@ -121,28 +121,21 @@ class Chromium:
         return path
 
     def close(self) -> None:
+        """Ends the browser (it keeps nothing worth a graceful stop)."""
         self.ws = None
         self._stack.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+        if self.proc is not None:
+            if self.proc.poll() is None:
                 self.proc.kill()
-                self.proc.wait(timeout=5)
+            self.proc.wait(timeout=10)
         self.proc = None
 
-    def __enter__(self) -> Chromium:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+@contextlib.contextmanager
+def chromium(profile: Path, timeout_s: float = 30.0) -> Iterator[Chromium]:
+    """A started browser, closed on the way out (also when starting it fails)."""
+    browser = Chromium(profile, timeout_s)
+    try:
+        yield browser.start()
+    finally:
+        browser.close()

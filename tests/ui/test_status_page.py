@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import agent_body, launch
-from tests.support.chromium import CHROMIUM, Chromium
+from tests.support.chromium import CHROMIUM, Chromium, chromium
 from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
 from tests.support.server import RegistryProcess
 
@@ -113,7 +113,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
     if CHROMIUM is None:
         pytest.skip(NO_CHROMIUM)
-    with Chromium(tmp_path_factory.mktemp("chromium")) as b:
+    with chromium(tmp_path_factory.mktemp("chromium")) as b:
         yield b
 
 
