@@ -6,6 +6,8 @@ request gets 401 even when its body is malformed, which FastAPI would otherwise 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from pathlib import Path
 from typing import Literal
@@ -22,6 +24,21 @@ Tokens = dict[str, RoleName]
 PUBLIC_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 )
+
+
+# Browsers cannot send a bearer header; they can send HTTP Basic credentials (any user name,
+# the token as the password) and prompt for them when challenged. Accepted on reads only, so
+# credentials a browser caches can never change state (no cross-site POST rides on them).
+BASIC_METHODS = frozenset({"GET", "HEAD"})
+BROWSER_PATHS = frozenset({"/status", "/events"})
+
+
+def basic_password(value: str) -> str:
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return ""
+    return decoded.partition(":")[2]
 
 
 class TokenFileError(ValueError):
@@ -93,7 +110,10 @@ class AuthMiddleware:
         error: RegistryError | None = None
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, presented = header.partition(" ")
-        role = role_of(self.tokens, presented.strip()) if scheme.lower() == "bearer" else None
+        scheme = scheme.lower()
+        if scheme == "basic" and scope["method"] in BASIC_METHODS:
+            scheme, presented = "bearer", basic_password(presented)
+        role = role_of(self.tokens, presented.strip()) if scheme == "bearer" else None
         if role is None:
             error = Unauthorized(
                 "A valid bearer token is required: send 'Authorization: Bearer <token>' with a "
@@ -110,4 +130,6 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         headers = [(b"www-authenticate", b'Bearer realm="engine-registry"')]
+        if scope["path"] in BROWSER_PATHS:
+            headers.append((b"www-authenticate", b'Basic realm="engine-registry", charset="UTF-8"'))
         await send_problem(send, error, scope, extra_headers=headers if error.status == 401 else [])

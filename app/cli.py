@@ -109,6 +109,15 @@ def format_groups(groups: list[dict[str, Any]]) -> str:
 def _status(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("REGISTRY_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if args.watch:
+        from app.cli_watch import Watch
+
+        if args.interval < 0.2:
+            print("engine-registry status: --interval must be at least 0.2 s", file=sys.stderr)
+            return 2
+        timeout = min(args.timeout, max(1.0, args.interval))
+        color = sys.stdout.isatty()
+        return Watch(args.url, headers, args.interval, timeout, format_groups, color=color).run()
     try:
         answer = httpx.get(
             f"{args.url.rstrip('/')}/tp-groups", headers=headers, timeout=args.timeout
@@ -225,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default=os.environ.get("REGISTRY_URL", DEFAULT_URL))
     status.add_argument("--token", help="bearer token (or REGISTRY_TOKEN)")
     status.add_argument("--timeout", type=float, default=10.0)
+    status.add_argument(
+        "--watch", action="store_true", help="redraw the table in place, changes marked"
+    )
+    status.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between frames of --watch"
+    )
     status.set_defaults(func=_status)
 
     probe = sub.add_parser(

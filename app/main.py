@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from app.api.fastpath import FastPath
-from app.api.routes import engines, health, tp_groups
+from app.api.routes import engines, health, status_page, tp_groups
 from app.auth import AuthMiddleware
 from app.errors import HttpProblem, InvalidRequest, NotFound, PayloadTooLarge, RegistryError
 from app.jsonbody import JsonLimitError
@@ -39,11 +39,12 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             sweep_interval_s=settings.sweep_interval_s,
         )
         await owned.start()
-        app.state.registry = Registry(owned, metrics)
+        app.state.registry = registry = Registry(owned, metrics, settings.events_keep)
         log.info("registry serving", extra={"store": owned.description})
         try:
             yield
         finally:
+            await registry.events.close()
             await owned.close()
 
     app = FastAPI(
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.include_router(tp_groups.router)
     app.include_router(engines.router)
     app.include_router(health.router)
+    app.include_router(status_page.router)
 
     @app.exception_handler(RegistryError)
     async def on_registry_error(request: Request, exc: RegistryError) -> Response:

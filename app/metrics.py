@@ -69,5 +69,28 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.store_unavailable = Counter(
+            "registry_store_unavailable",
+            "Answers 503 store_unavailable: the store did not answer within --store-timeout.",
+            registry=self.registry,
+        )
+        self.lease_expiries = Counter(
+            "registry_lease_expiries",
+            "Agents whose lease expired, as this replica observed between two reads of every "
+            "group (scrapes, status pages): aggregate replicas with max, not sum.",
+            registry=self.registry,
+        )
+        self.longest_not_ready = Gauge(
+            "registry_longest_not_ready_seconds",
+            "How long the group that has been not ready longest has been so (0: all ready), "
+            "at the last scrape.",
+            registry=self.registry,
+        )
+        self.events_dropped = Counter(
+            "registry_events_dropped",
+            "Events left out because the buffer was full before a flush (REGISTRY_EVENTS_KEEP).",
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,7 +8,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import Scope, Send
 
-from app.errors import RegistryError
+from app.errors import RegistryError, StoreUnavailable
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
@@ -17,9 +17,18 @@ def _instance(scope: Scope) -> str:
     return str(scope.get("path", ""))
 
 
+def _count(error: RegistryError, scope: Scope) -> None:
+    """registry_store_unavailable counts these 503s apart from not_ready's."""
+    if isinstance(error, StoreUnavailable):
+        registry = getattr(getattr(scope.get("app"), "state", None), "registry", None)
+        if registry is not None:
+            registry.metrics.store_unavailable.inc()
+
+
 def problem_response(
     error: RegistryError, scope: Scope, headers: dict[str, str] | None = None
 ) -> JSONResponse:
+    _count(error, scope)
     return JSONResponse(
         error.problem(_instance(scope)),
         status_code=error.status,
@@ -34,6 +43,7 @@ async def send_problem(
     scope: Scope,
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
+    _count(error, scope)
     body = json.dumps(error.problem(_instance(scope)), separators=(",", ":")).encode()
     headers: list[tuple[bytes, bytes]] = [
         (b"content-type", PROBLEM_MEDIA_TYPE.encode()),

@@ -64,6 +64,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Most access lines a second for answered requests (errors always; 0: all).",
     )
+    events_keep: int = Field(
+        1000,
+        ge=10,
+        le=100_000,
+        description="Events (refusals, handshakes, lease expiries) the store keeps, newest first.",
+    )
     fast_path: bool = Field(
         True, description="Answer the hot routes without FastAPI's per-request machinery."
     )

@@ -12,7 +12,9 @@ from app.errors import (
     InvalidRequest,
     NotFound,
 )
+from app.events import EventLog
 from app.metrics import Metrics
+from app.observer import Observer
 from app.registry.records import (
     Decoded,
     IndexRecord,
@@ -26,9 +28,13 @@ from app.store import Snapshot, Store
 
 
 class RegistryBase:
-    def __init__(self, store: Store, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, store: Store, metrics: Metrics | None = None, events_keep: int = 1000
+    ) -> None:
         self.store = store
         self.metrics = metrics or Metrics()
+        self.events = EventLog(store, self.metrics, keep=events_keep)
+        self.observer = Observer(self.metrics, self.events)
         self.decoded = Decoded()
         self.draining = False
         self._drained: asyncio.Event | None = None
@@ -79,18 +85,22 @@ class RegistryBase:
         return state.view()
 
     async def list_groups(self) -> list[Engine]:
+        return [state.view() for state in await self.group_states()]
+
+    async def group_states(self) -> list[GroupState]:
+        """Every group, from one range read of the store."""
         snap = await self.store.range("groups/")
         by_group: dict[str, list[Any]] = {}
         for entry in snap.entries:
             gid = entry.key.split("/", 2)[1]
             by_group.setdefault(gid, []).append(entry)
-        views = []
+        states = []
         for gid, entries in by_group.items():
             sub = Snapshot(entries, snap.revision, snap.lease_remaining_s, snap.read_at)
             state = GroupState.read(sub, gid, self.decoded)
             if state is not None:
-                views.append(state.view())
-        return views
+                states.append(state)
+        return states
 
     async def _index(self, engine_id: str) -> IndexRecord | None:
         entry = await self.store.get(f"engines/{engine_id}")
@@ -109,7 +119,7 @@ class RegistryBase:
         if state is None:
             raise NotFound(f"engine_id {engine_id!r} belonged to a group that was deleted.")
         if state.engine.engine_id != engine_id:
-            raise EngineSuperseded(
+            error = EngineSuperseded(
                 f"engine {engine_id} was generation {index.generation} of group "
                 f"{index.group_id!r}, superseded by generation {state.engine.generation} "
                 f"(engine {state.engine.engine_id}): the prefill group was relaunched. "
@@ -117,6 +127,8 @@ class RegistryBase:
                 current_engine_id=state.engine.engine_id,
                 current_generation=state.engine.generation,
             )
+            self.events.refusal(error, index.group_id, engine_id=engine_id)
+            raise error
         return state
 
     # -- shared by agents and batches ---------------------------------------------------
@@ -146,7 +158,7 @@ class RegistryBase:
                 "rank at the same registry and take the engine_id it issues."
             )
         self.metrics.mismatches.labels(cause).inc()
-        return EngineIdMismatch(
+        error = EngineIdMismatch(
             f"rank {rank} of group {gid!r} sent engine_id {got}, but the current engine is "
             f"{current.engine_id} (generation {current.generation}); {why}",
             expected_engine_id=current.engine_id,
@@ -157,6 +169,8 @@ class RegistryBase:
             current_generation=current.generation,
             got_generation=index.generation if index else None,
         )
+        self.events.refusal(error, gid)
+        return error
 
     async def _current(self, gid: str, rank: int, engine_id: str) -> GroupState:
         state = await self._group(gid)
@@ -193,8 +207,12 @@ class RegistryBase:
 
     # -- observability -----------------------------------------------------------------------
 
-    async def refresh_gauges(self) -> None:
-        groups = await self.list_groups()
-        self.metrics.groups.set(len(groups))
-        self.metrics.ready_groups.set(sum(g.ready for g in groups))
-        self.metrics.live_agents.set(sum(len(g.registered_ranks) for g in groups))
+    async def refresh_gauges(self) -> list[GroupState]:
+        states = await self.group_states()
+        self.observer.observe(states)
+        self.metrics.groups.set(len(states))
+        self.metrics.ready_groups.set(sum(not s.missing for s in states))
+        self.metrics.live_agents.set(
+            sum(sum(r < s.engine.tp_size for r in s.agents) for s in states)
+        )
+        return states

@@ -53,13 +53,15 @@ class EnginesMixin(RegistryBase):
             if launch is not None:
                 seen = IndexRecord.model_validate_json(launch.value)
                 current_gen = state.engine.generation if state else seen.generation
-                raise LaunchSuperseded(
+                error = LaunchSuperseded(
                     f"launch {req.launch_id!r} opened generation {seen.generation} of group "
                     f"{gid!r}, which a newer launch superseded (current generation "
                     f"{current_gen}). This process belongs to an old launch: stop it, or "
                     "restart it so that it makes a new launch_id.",
                     current_generation=current_gen,
                 )
+                self.events.refusal(error, gid, launch_id=req.launch_id)
+                raise error
             engine = EngineRecord(
                 group_id=gid,
                 engine_id=str(uuid.uuid4()),

@@ -49,12 +49,14 @@ class HandshakesMixin(RegistryBase):
             fields = ", ".join(
                 f"{m['field']} (prefill {m['remote']!r}, decode {m['local']!r})" for m in found
             )
-            raise Incompatible(
+            error = Incompatible(
                 f"engine {engine_id} (group {engine.group_id!r}) cannot serve this decode "
                 f"rank: {fields}. Pair engines built from the same model and KV settings, "
                 "and a prefill-capable role.",
                 mismatches=found,
             )
+            self.events.refusal(error, engine.group_id, engine_id=engine_id)
+            raise error
         missing = [r for r in plan.target_ranks if r not in state.agents]
         by_rank: dict[int, Entry] = {}
         if not missing:
@@ -81,6 +83,9 @@ class HandshakesMixin(RegistryBase):
                     expires_at=utc_iso(state.expires_at[r]),
                 )
             )
+        self.events.handshake(
+            engine_id, engine.group_id, engine.generation, req.tp_size, req.rank, plan.target_ranks
+        )
         return Handshake.model_construct(
             engine_id=engine.engine_id,
             group_id=engine.group_id,
