@@ -24,7 +24,14 @@ class Output:
         self._lock = threading.Lock()
         assert proc.stdout is not None
         stream = proc.stdout
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+        self._stream = stream
+
+    def close(self) -> None:
+        """After the process ended: the reader sees end of file; the pipe is closed."""
+        self._reader.join(timeout=5)
+        self._stream.close()
 
     def _read(self, stream: object) -> None:
         while chunk := stream.read1(65536):  # type: ignore[attr-defined]
@@ -56,8 +63,8 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
         cmd = [sys.executable, "-m", "app", "status", "--watch", "--interval", "0.3",
                "--url", registry.url]  # fmt: skip
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out = Output(proc)
         try:
-            out = Output(proc)
             first = out.wait_frame("alpha")
             assert "1 groups, 0 ready; 0 changed" in first
             assert c.put("/tp-groups/alpha/engine/agents/0", json=agent_body(eid, 0)).is_success
@@ -79,4 +86,5 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=5)
+            out.close()
             c.close()
