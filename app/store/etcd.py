@@ -354,7 +354,7 @@ class EtcdStore(Store):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self._cluster.start()
+        await self._cluster.start(self._root)
 
     async def ping(self) -> None:
         await self._call("read", self._head)

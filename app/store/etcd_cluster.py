@@ -149,11 +149,11 @@ class Cluster:
             "etcd's --max-request-bytes above the largest agent metadata blob."
         )
 
-    async def start(self) -> None:
+    async def start(self, key: bytes) -> None:
         """Reach etcd once: a member that refuses this replica (wrong CA, no client
         certificate, wrong password, TLS spoken to a plain etcd or the reverse) stops the
         start with the cause and its fix; etcd merely down does not (calls answer 503)."""
-        await check_members(self.members, min(self._timeout_s, 5.0))
+        await check_members(self.members, key, min(self._timeout_s, 5.0))
 
     async def close(self) -> None:
         self._closed = True

@@ -245,19 +245,28 @@ class Member:
             )
         return None
 
-    async def check(self, seconds: float) -> tuple[str, bool] | None:
-        """One linearizable read: None when it answers, else (what failed, whether it is an
-        access problem rather than etcd being down)."""
-        request = rpc.RangeRequest(key=b"\0")
-        try:
-            await self.call(lambda c, t: c.kvstub.Range(request, timeout=t), seconds)
-        except EtcdAccessError as exc:
-            return exc.detail, True
-        except rpc.AioRpcError as exc:
-            return f"{self.where}: {exc.code().name} {exc.details()}", False
-        except (aetcd.ClientError, OSError, TimeoutError) as exc:
-            return f"{self.where}: {exc!r}", False
-        return None
+    async def check(self, key: bytes, seconds: float) -> tuple[str, bool] | None:
+        """One linearizable read of ``key``: None when it answers, else (what failed, whether
+        it is an access problem rather than etcd being down)."""
+        request = rpc.RangeRequest(key=key)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        problem = f"{self.where}: no answer within {seconds:g} s"
+        for _ in range(50):  # a connection lost in the handshake, a leader being elected
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                await self.call(lambda c, t: c.kvstub.Range(request, timeout=t), left)
+                return None
+            except EtcdAccessError as exc:
+                return exc.detail, True
+            except rpc.AioRpcError as exc:
+                problem = f"{self.where}: {exc.code().name} {exc.details()}"
+            except (aetcd.ClientError, OSError, TimeoutError) as exc:
+                problem = f"{self.where}: {exc!r}"
+            await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
+        return problem, False
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -280,11 +289,11 @@ def _stale_token(exc: rpc.AioRpcError) -> bool:
     return "invalid auth token" in why or "revision of auth store is old" in why
 
 
-async def check_members(members: Sequence[Member], seconds: float) -> None:
-    """At start: reach the members until one answers. If none does and any refused this
+async def check_members(members: Sequence[Member], key: bytes, seconds: float) -> None:
+    """At start: read ``key`` from the members until one answers. If none does and any refused this
     replica (TLS, user, password, permission), raise that, naming cause and fix; members
     merely down are logged and left to the calls (503 until etcd is back)."""
-    tasks = [asyncio.create_task(m.check(seconds)) for m in members]
+    tasks = [asyncio.create_task(m.check(key, seconds)) for m in members]
     problems: list[tuple[str, bool]] = []
     try:
         for next_done in asyncio.as_completed(tasks):
