@@ -114,14 +114,15 @@ class EtcdAccess:
         if not given:
             return
         scheme = url.partition("://")[0]
+        names, one = ", ".join(given), len(given) == 1
         if scheme not in SCHEMES:
             raise ValueError(
-                f"{', '.join(given)} apply to an etcd store, but the store is {redact(url)!r}: "
-                "unset them or use an etcds:// store"
+                f"{names} {'applies' if one else 'apply'} to an etcd store, but the store is "
+                f"{redact(url)!r}: unset {'it' if one else 'them'} or use an etcds:// store"
             )
         if scheme == "etcd":
             raise ValueError(
-                f"{', '.join(given)} need an etcds:// store (TLS): over etcd:// the "
+                f"{names} {'needs' if one else 'need'} an etcds:// store (TLS): over etcd:// the "
                 "certificates are unused and a password or its token would cross the network "
                 "in clear text. Write the store as etcds://…"
             )

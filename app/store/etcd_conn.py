@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -232,17 +233,6 @@ class Member:
                 "etcd runs with --client-cert-auth; set REGISTRY_ETCD_CERT and "
                 "REGISTRY_ETCD_KEY to a certificate signed by a CA in etcd's --trusted-ca-file"
             )
-        if self._tls and "handshake failed" in why.lower():
-            return EtcdAccessError(
-                f"TLS handshake with etcd at {self.where} failed ({why}): check that etcd "
-                "serves TLS there (https:// client URLs); for a plain etcd use etcd://"
-            )
-        if not self._tls and "Socket closed" in why:
-            return EtcdAccessError(
-                f"etcd at {self.where} closed the connection during the handshake ({why}): it "
-                "serves TLS (https:// client URLs)? Then write the store as etcds://… and set "
-                "REGISTRY_ETCD_CA (and REGISTRY_ETCD_CERT/KEY for --client-cert-auth)"
-            )
         return None
 
     async def check(self, key: bytes, seconds: float) -> tuple[str, bool] | None:
@@ -262,11 +252,46 @@ class Member:
             except EtcdAccessError as exc:
                 return exc.detail, True
             except rpc.AioRpcError as exc:
-                problem = f"{self.where}: {exc.code().name} {exc.details()}"
+                why = exc.details() or ""
+                problem = f"{self.where}: {exc.code().name} {why}"
+                if "closed" in why or "closing" in why:  # in the handshake: TLS mismatch?
+                    mismatch = await self._tls_mismatch(why, deadline - loop.time())
+                    if mismatch:
+                        return mismatch, True
             except (aetcd.ClientError, OSError, TimeoutError) as exc:
                 problem = f"{self.where}: {exc!r}"
             await asyncio.sleep(min(0.2, max(0.0, deadline - loop.time())))
         return problem, False
+
+    async def _tls_mismatch(self, why: str, seconds: float) -> str | None:
+        """When the member hung up in the handshake, whether it speaks TLS and this store
+        does not, or the reverse (one TLS handshake, nothing verified, nothing sent)."""
+        host, port = self.where.rsplit(":", 1)
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        try:
+            async with asyncio.timeout(max(0.1, min(seconds, 2.0))):
+                _, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=context)
+            writer.close()
+            speaks_tls = True
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError):
+            speaks_tls = False
+        except (TimeoutError, OSError):
+            return None  # no answer either way: etcd is down, not misconfigured
+        if speaks_tls and not self._tls:
+            return (
+                f"etcd at {self.where} closed the connection during the handshake ({why}): it "
+                "serves TLS (https:// client URLs), so write the store as etcds://… and set "
+                "REGISTRY_ETCD_CA (and REGISTRY_ETCD_CERT/KEY for --client-cert-auth)"
+            )
+        if self._tls and not speaks_tls:
+            return (
+                f"TLS handshake with etcd at {self.where} failed ({why}): etcd does not serve "
+                "TLS there (http:// client URLs); write the store as etcd://… or give etcd "
+                "--cert-file/--key-file and https:// client URLs"
+            )
+        return None
 
     async def close(self) -> None:
         client, self._client = self._client, None

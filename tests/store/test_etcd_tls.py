@@ -20,7 +20,7 @@ from app.store import Put
 from app.store.etcd import EtcdStore
 from app.store.etcd_conn import EtcdAccessError
 from tests.faults.helpers import agent_body, open_body
-from tests.store.conftest import SecureEtcd, shared_secure_etcd
+from tests.store.conftest import SecureEtcd, shared_etcd, shared_secure_etcd
 from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.server import ROOT, RegistryProcess
 
@@ -101,6 +101,25 @@ def test_a_wrong_password_a_missing_role_or_an_untrusted_etcd_is_refused_at_star
     where = secure.cluster.endpoints[0]
     assert f"TLS handshake with etcd at {where} failed: certificate verify failed" in detail
     assert "no REGISTRY_ETCD_CA given: the system's CAs were used" in detail, detail
+
+
+def test_etcds_to_a_plain_etcd_is_refused_at_start() -> None:
+    if not etcd_available():
+        pytest.skip(SKIP_REASON)
+    plain = shared_etcd()
+
+    async def main() -> str:
+        store = EtcdStore.from_url(plain.url("x", scheme="etcds"), timeout_s=5.0)
+        try:
+            with pytest.raises(EtcdAccessError) as refused:
+                await store.start()
+            return refused.value.detail
+        finally:
+            await store.close()
+
+    detail = asyncio.run(main())
+    assert f"TLS handshake with etcd at {plain.endpoints[0]} failed" in detail, detail
+    assert "etcd does not serve TLS there" in detail, detail
 
 
 def test_registry_on_etcds_serves_groups_and_agents_without_showing_credentials(

@@ -75,7 +75,9 @@ def test_credentials_need_etcds_and_readable_files(tmp_path: Path) -> None:
     password = tmp_path / "password"
     password.write_text("pw\n")
     user = EtcdAccess(user="reg", password_file=password)
-    with pytest.raises(ValueError, match="need an etcds:// store"):
+    with pytest.raises(
+        ValueError, match="REGISTRY_ETCD_USER, REGISTRY_ETCD_PASSWORD_FILE need an etcds:// store"
+    ):
         user.check("etcd://127.0.0.1:2379/x")
     with pytest.raises(ValueError, match="apply to an etcd store"):
         user.check("sqlite:///registry.db")
