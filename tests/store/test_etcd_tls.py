@@ -32,7 +32,7 @@ def secure() -> SecureEtcd:
     return shared_secure_etcd()
 
 
-def test_a_stale_auth_token_is_renewed_and_watches_reopen(
+def test_a_stale_auth_token_is_renewed_and_new_watches_use_the_new_one(
     secure: SecureEtcd, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="app.store")
@@ -60,12 +60,13 @@ def test_a_stale_auth_token_is_renewed_and_watches_reopen(
                 if renewed():
                     break
             assert renewed(), "etcd never dropped the token: the renewal was not exercised"
-            # Watches added after the renewal use the new token (a stream opened with the
-            # old one cannot add any) and still wake on a write.
-            head = await store.txn([], [Put("k/b", b"1")])
-            waiting = asyncio.create_task(store.wait("k/", head.revision, 10.0))
+            # A watch added after the renewal (another segment: a watch of its own) goes on a
+            # stream opened with the new token; etcd checks a stream's token when a watch is
+            # added, so one added to the old stream would never fire.
+            head = await store.txn([], [Put("j/b", b"1")])
+            waiting = asyncio.create_task(store.wait("j/", head.revision, 5.0))
             await asyncio.sleep(0.2)
-            await store.txn([], [Put("k/b", b"2")])
+            await store.txn([], [Put("j/b", b"2")])
             assert await waiting
         finally:
             await store.close()
