@@ -16,13 +16,28 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.store import Put
+from app.store import EtcdAccess, Put
 from app.store.etcd import EtcdStore
 from app.store.etcd_conn import EtcdAccessError
 from tests.faults.helpers import agent_body, open_body
 from tests.store.conftest import SecureEtcd, shared_etcd, shared_secure_etcd
 from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.server import ROOT, RegistryProcess
+
+
+def refusal_at_start(url: str, access: EtcdAccess) -> str:
+    """What the store's start says when etcd refuses it (it must refuse)."""
+
+    async def main() -> str:
+        store = EtcdStore.from_url(url, timeout_s=5.0, access=access)
+        try:
+            with pytest.raises(EtcdAccessError) as refused:
+                await store.start()
+            return refused.value.detail
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
 
 
 @pytest.fixture
@@ -80,25 +95,19 @@ def test_a_wrong_password_a_missing_role_or_an_untrusted_etcd_is_refused_at_star
     wrong = tmp_path / "wrong-password"
     wrong.write_text("not-the-password\n")
 
-    async def start(url: str, **changes: object) -> str:
-        store = EtcdStore.from_url(url, timeout_s=5.0, access=secure.access(**changes))
-        try:
-            with pytest.raises(EtcdAccessError) as refused:
-                await store.start()
-            return refused.value.detail
-        finally:
-            await store.close()
+    def start(url: str, **changes: object) -> str:
+        return refusal_at_start(url, secure.access(**changes))
 
     mine = secure.cluster.url(f"tls-{uuid.uuid4().hex}")
-    detail = asyncio.run(start(mine, password_file=wrong))
+    detail = start(mine, password_file=wrong)
     assert "etcd refused user registry: authentication failed" in detail, detail
     assert "check REGISTRY_ETCD_PASSWORD_FILE" in detail, detail
     outside = secure.cluster.url("not-granted")  # the role covers /tls-* only
-    detail = asyncio.run(start(outside))
+    detail = start(outside)
     assert "denied user registry access to the store's keys" in detail, detail
     assert "grant-permission" in detail, detail
     # etcds:// without REGISTRY_ETCD_CA trusts the system's CAs, which did not sign etcd's.
-    detail = asyncio.run(start(mine, ca=None))
+    detail = start(mine, ca=None)
     where = secure.cluster.endpoints[0]
     assert f"TLS handshake with etcd at {where} failed: certificate verify failed" in detail
     assert "no REGISTRY_ETCD_CA given: the system's CAs were used" in detail, detail
@@ -108,17 +117,7 @@ def test_etcds_to_a_plain_etcd_is_refused_at_start() -> None:
     if not etcd_available():
         pytest.skip(SKIP_REASON)
     plain = shared_etcd()
-
-    async def main() -> str:
-        store = EtcdStore.from_url(plain.url("x", scheme="etcds"), timeout_s=5.0)
-        try:
-            with pytest.raises(EtcdAccessError) as refused:
-                await store.start()
-            return refused.value.detail
-        finally:
-            await store.close()
-
-    detail = asyncio.run(main())
+    detail = refusal_at_start(plain.url("x", scheme="etcds"), EtcdAccess())
     assert f"TLS handshake with etcd at {plain.endpoints[0]} failed" in detail, detail
     assert "etcd does not serve TLS there" in detail, detail
 
