@@ -101,6 +101,8 @@ class Member:
         timeout_s: float,
         options: dict[str, Any],
     ) -> None:
+        if access.user and not tls:
+            raise ValueError("An etcd user needs TLS (etcds://): its token would cross in clear")
         self.where = f"{host}:{port}"
         self._tls = tls
         self._access = access
