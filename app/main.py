@@ -37,8 +37,13 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             settings.store,
             timeout_s=settings.store_timeout_s,
             sweep_interval_s=settings.sweep_interval_s,
+            etcd=settings.etcd_access(),
         )
-        await owned.start()
+        try:
+            await owned.start()
+        except Exception as exc:
+            log.error("cannot start: %s", exc, extra={"store": owned.description})
+            raise
         app.state.registry = registry = Registry(owned, metrics, settings.events_keep)
         log.info("registry serving", extra={"store": owned.description})
         try:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.auth import Tokens, load_tokens, parse_tokens
-from app.store import check_store_url
+from app.store import EtcdAccess, check_store_url
 
 
 def is_loopback_host(host: str) -> bool:
@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free).")
     store: str = Field(
         "sqlite:///registry.db",
-        description="sqlite:///path/to/registry.db or etcd://host:port[,host:port…]/prefix",
+        description="sqlite:///path/to/registry.db or etcd[s]://host:port[,host:port…]/prefix",
     )
     tokens_file: Path | None = Field(None, description="File of role:token lines.")
     tokens: str | None = Field(
@@ -78,11 +78,42 @@ class Settings(BaseSettings):
         description="FastAPI's own OpenTelemetry spans and metrics, for a process with an "
         "OpenTelemetry SDK set up (opentelemetry-instrument); off: never checked per request.",
     )
+    # The etcd store over TLS with credentials (etcds://); checked in app/store/etcd_config.py.
+    etcd_ca: Path | None = Field(
+        None, description="etcds:// store: CA that signed etcd's certificate (else system CAs)."
+    )
+    etcd_cert: Path | None = Field(
+        None, description="etcds:// store: client certificate, for etcd's --client-cert-auth."
+    )
+    etcd_key: Path | None = Field(None, description="etcds:// store: the client certificate's key.")
+    etcd_user: str | None = Field(None, description="etcds:// store: etcd user (etcd auth).")
+    etcd_password_file: Path | None = Field(
+        None, description="etcds:// store: file holding the etcd user's password."
+    )
+    etcd_password: SecretStr | None = Field(
+        None, description="etcds:// store: the etcd user's password (prefer the file)."
+    )
 
     @field_validator("store")
     @classmethod
     def _store_url(cls, value: str) -> str:
         return check_store_url(value)
+
+    @model_validator(mode="after")
+    def _etcd_access_fits_store(self) -> Settings:
+        self.etcd_access().check(self.store)
+        return self
+
+    def etcd_access(self) -> EtcdAccess:
+        password = self.etcd_password.get_secret_value() if self.etcd_password else None
+        return EtcdAccess(
+            ca=self.etcd_ca,
+            cert=self.etcd_cert,
+            key=self.etcd_key,
+            user=self.etcd_user,
+            password=password,
+            password_file=self.etcd_password_file,
+        )
 
     @model_validator(mode="after")
     def _refuse_open_network(self) -> Settings:

@@ -1,75 +1,84 @@
-"""Store backends behind one interface; ``create_store`` picks one from a URL."""
+"""Store backends behind one interface; ``create_store`` picks one from a URL.
+
+The URL's scheme names the backend (``_BACKENDS``); each backend's module parses and checks
+its own URLs and builds its store, and is imported only when its scheme is used, so the
+SQLite default needs nothing beyond the standard library (as torch's rendezvous handlers
+are registered by name and imported on use).
+"""
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs, urlsplit
+import importlib
 
-from app.store.base import Compare, Delete, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.base import (
+    Backend,
+    Compare,
+    Delete,
+    Entry,
+    Lease,
+    Op,
+    Put,
+    Snapshot,
+    Store,
+    StoreOptions,
+    TxnResult,
+)
+from app.store.etcd_config import EtcdAccess, redact
 
 __all__ = [
     "Compare",
     "Delete",
     "Entry",
+    "EtcdAccess",
     "Lease",
     "Op",
     "Put",
     "Snapshot",
     "Store",
+    "StoreOptions",
     "TxnResult",
     "check_store_url",
     "create_store",
 ]
 
+# scheme → the module whose BACKEND parses its URLs and opens its stores.
+_BACKENDS = {
+    "sqlite": "app.store.sqlite_url",
+    "etcd": "app.store.etcd_config",
+    "etcds": "app.store.etcd_config",
+}
+_EXPECTED = (
+    "expected sqlite:///path/to/registry.db, etcd://host:port[,host:port…]/prefix "
+    "or etcds://host:port[,host:port…]/prefix (TLS)"
+)
+
+
+def backend(url: str) -> Backend:
+    """The backend that serves ``url``, by its scheme."""
+    scheme = url.partition(":")[0].lower() if ":" in url else ""
+    module = _BACKENDS.get(scheme)
+    if module is None:
+        raise ValueError(f"Unknown store URL {redact(url)!r}: {_EXPECTED}")
+    found: Backend = importlib.import_module(module).BACKEND
+    return found
+
 
 def check_store_url(url: str) -> str:
     """Refuse a malformed store URL at configuration time, before anything starts."""
-    parts = urlsplit(url)
-    if parts.scheme == "sqlite":
-        if parts.netloc or not parts.path.lstrip("/"):
-            raise ValueError(
-                f"Bad SQLite store URL {url!r}: use sqlite:///relative/path.db "
-                "or sqlite:////absolute/path.db"
-            )
-        synchronous = parse_qs(parts.query).get("synchronous", ["normal"])[0]
-        if synchronous.upper() not in {"NORMAL", "FULL", "EXTRA"}:
-            raise ValueError(f"Bad SQLite store URL {url!r}: synchronous=normal|full|extra")
-        return url
-    if parts.scheme == "etcd":
-        if not parts.netloc:
-            raise ValueError(
-                f"Bad etcd store URL {url!r}: use etcd://host:port[,host:port…]/prefix"
-            )
-        return url
-    raise ValueError(
-        f"Unknown store URL {url!r}: expected sqlite:///path/to/registry.db "
-        "or etcd://host:port[,host:port…]/prefix"
-    )
+    backend(url).check_url(url)
+    return url
 
 
-def create_store(url: str, *, timeout_s: float = 10.0, sweep_interval_s: float = 1.0) -> Store:
-    """Build the store a URL names (``sqlite:///path`` or ``etcd://h:p[,h:p…]/prefix``).
-
-    The etcd driver is imported only when an etcd URL is used, so the SQLite default needs
-    nothing beyond the standard library.
-    """
-    parts = urlsplit(check_store_url(url))
-    if parts.scheme == "sqlite":
-        # sqlite:///relative.db and sqlite:////abs/path.db, as SQLAlchemy spells them.
-        path = parts.path[1:]
-        query = parse_qs(parts.query)
-        synchronous = query.get("synchronous", ["normal"])[0]
-        from app.store.sqlite import SqliteStore
-
-        return SqliteStore(
-            path, timeout_s=timeout_s, synchronous=synchronous, sweep_interval_s=sweep_interval_s
-        )
-    if parts.scheme == "etcd":
-        try:
-            from app.store.etcd import EtcdStore
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ValueError(
-                f"The etcd store needs its client library: pip install 'engine-registry[etcd]' "
-                f"({exc})"
-            ) from exc
-        return EtcdStore.from_url(url, timeout_s=timeout_s)
-    raise AssertionError("unreachable: check_store_url admits sqlite and etcd only")
+def create_store(
+    url: str,
+    *,
+    timeout_s: float = 10.0,
+    sweep_interval_s: float = 1.0,
+    etcd: EtcdAccess | None = None,
+) -> Store:
+    """Build the store a URL names (``sqlite:///path``, ``etcd[s]://h:p[,h:p…]/prefix``);
+    ``etcd``: TLS files and credentials for an ``etcds://`` store."""
+    options = StoreOptions(timeout_s=timeout_s, sweep_interval_s=sweep_interval_s, etcd=etcd)
+    found = backend(url)
+    found.check_url(url)
+    return found.open(url, options)

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.store.etcd_config import EtcdAccess
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +130,22 @@ class Store(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """What the service's settings tell a backend beyond its URL."""
+
+    timeout_s: float = 10.0
+    sweep_interval_s: float = 1.0  # SQLite: how often expired leases are purged
+    etcd: EtcdAccess | None = None  # etcd: TLS files and credentials
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A store backend as the URL table (``app.store``) knows it: ``check_url`` refuses a
+    malformed URL with a message naming the fix, without connecting or importing a driver;
+    ``open`` builds the store (lazy: it connects on ``start`` or first use)."""
+
+    check_url: Callable[[str], None]
+    open: Callable[[str, StoreOptions], Store]

@@ -1,5 +1,6 @@
 """The etcd store: a thin translation of the storage interface onto an etcd v3 cluster, one
-gRPC channel per endpoint (``aetcd``'s stubs, asyncio) and one RPC per call:
+gRPC channel per endpoint (``aetcd``'s stubs, asyncio; TLS and auth in ``etcd_conn``) and one
+RPC per call:
 
 - a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
   header's revision answers, won or lost; a prefix delete is a DeleteRange;
@@ -16,7 +17,7 @@ gRPC channel per endpoint (``aetcd``'s stubs, asyncio) and one RPC per call:
 Every call has one deadline, ``timeout_s``, shared among the endpoints, the preferred first,
 each with a fair share of the time left, carried by gRPC (it bounds etcd's answer, not the
 turns a saturated process takes to read it); at most ``max_in_flight`` calls are in flight,
-the rest queue within the same deadline. Whatever goes wrong surfaces as
+the rest queue within the same deadline (``etcd_cluster``). Whatever goes wrong surfaces as
 :class:`StoreUnavailable`, never as a hang. Keys live under ``/{prefix}/``.
 """
 
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import aetcd
 from aetcd import rpc
@@ -33,49 +34,9 @@ from aetcd.utils import prefix_range_end
 
 from app.errors import StoreUnavailable
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.etcd_cluster import Cluster
+from app.store.etcd_config import EtcdAccess, parse_url
 from app.store.etcd_state import LeaseBook, WatchHub
-
-T = TypeVar("T")
-
-_MIB = 1024 * 1024
-# Agent metadata blobs reach a few MiB (the API's 4 MiB body limit); gRPC's default cap on a
-# message is 4 MiB. The etcd side needs --max-request-bytes raised to match (see README).
-_GRPC_OPTIONS: dict[str, Any] = {
-    "grpc.max_send_message_length": 16 * _MIB,
-    "grpc.max_receive_message_length": 16 * _MIB,
-    # A restarted member is dialed again within a second, not after gRPC's 2-minute backoff.
-    "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.min_reconnect_backoff_ms": 200,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    # Notice a silently dead peer (a partition, not a refused connection) on idle channels;
-    # not below etcd's --grpc-keepalive-min-time (5 s) or it closes the connection.
-    "grpc.keepalive_time_ms": 10_000,
-    "grpc.keepalive_timeout_ms": 5_000,
-}
-
-# Bounds the tries of one call (the deadline bounds its time).
-_MAX_TRIES = 64
-
-
-def parse_url(url: str) -> tuple[list[tuple[str, int]], str]:
-    """``etcd://h:p[,h:p…]/prefix`` → ([(host, port), …], prefix); the prefix defaults to
-    ``engine-registry``."""
-    if not url.startswith("etcd://"):
-        raise ValueError(f"Not an etcd store URL: {url!r}")
-    hosts, _, prefix = url[len("etcd://") :].partition("/")
-    endpoints: list[tuple[str, int]] = []
-    for part in filter(None, (h.strip() for h in hosts.split(","))):
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"Bad etcd endpoint {part!r} in {url!r}: expected host:port, e.g. "
-                "etcd://127.0.0.1:2379,127.0.0.1:22379/registry"
-            )
-        endpoints.append((host, int(port)))  # an IPv6 host keeps its brackets for gRPC
-    if not endpoints:
-        raise ValueError(f"No etcd endpoint in {url!r}: expected etcd://host:port/prefix")
-    prefix = prefix.strip("/") or "engine-registry"
-    return endpoints, prefix
 
 
 class EtcdStore(Store):
@@ -84,6 +45,8 @@ class EtcdStore(Store):
         endpoints: Sequence[tuple[str, int]],
         prefix: str = "engine-registry",
         *,
+        tls: bool = False,
+        access: EtcdAccess | None = None,
         timeout_s: float = 10.0,
         probe_interval_s: float = 1.0,
         lease_cache_s: float | None = None,
@@ -95,15 +58,18 @@ class EtcdStore(Store):
             raise ValueError("EtcdStore needs at least one endpoint")
         self.endpoints = list(endpoints)
         self._root = f"/{prefix.strip('/')}/".encode()
-        self.description = (
-            f"etcd://{','.join(f'{h}:{p}' for h, p in self.endpoints)}/{prefix.strip('/')}"
+        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        # Never any credentials: they come from files, not from the URL.
+        self.description = f"{'etcds' if tls else 'etcd'}://{hosts}/{prefix.strip('/')}"
+        self._cluster = Cluster(
+            self.endpoints,
+            tls=tls,
+            access=access or EtcdAccess(),
+            timeout_s=timeout_s,
+            max_in_flight=max_in_flight,
         )
-        self._timeout_s = timeout_s
+        self._call = self._cluster.call
         self._probe_interval_s = probe_interval_s
-        self._max_in_flight = max_in_flight
-        self._slots = asyncio.Semaphore(max_in_flight)
-        self._clients: list[aetcd.Client | None] = [None] * len(self.endpoints)
-        self._preferred = 0
         self._leases = LeaseBook(lease_cache_s)
         self._asking: dict[int, asyncio.Task[float]] = {}
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
@@ -114,9 +80,16 @@ class EtcdStore(Store):
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 10.0) -> EtcdStore:
-        endpoints, prefix = parse_url(url)
-        return cls(endpoints, prefix, timeout_s=timeout_s)
+    def from_url(
+        cls, url: str, *, timeout_s: float = 10.0, access: EtcdAccess | None = None
+    ) -> EtcdStore:
+        """``etcd[s]://h:p[,h:p…]/prefix``; ``access``: TLS files and credentials."""
+        parsed = parse_url(url)
+        access = access or EtcdAccess()
+        access.check(url)
+        return cls(
+            parsed.endpoints, parsed.prefix, tls=parsed.tls, access=access, timeout_s=timeout_s
+        )
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -128,92 +101,6 @@ class EtcdStore(Store):
 
     def _entry(self, kv: Any) -> Entry:
         return Entry(self._unkey(kv.key), bytes(kv.value), int(kv.mod_revision), kv.lease or None)
-
-    async def _client(self, index: int) -> aetcd.Client:
-        client = self._clients[index]
-        if client is None:
-            host, port = self.endpoints[index]
-            # One channel per endpoint for the store's life; each RPC carries its own deadline.
-            client = aetcd.Client(host, port, timeout=self._timeout_s, options=_GRPC_OPTIONS)
-            self._clients[index] = client
-        if client.kvstub is None:
-            await client.connect()  # builds the channel and stubs; dials lazily
-        return client
-
-    async def _call(
-        self, what: str, fn: Callable[[aetcd.Client, float], Awaitable[T]], slots: int = 1
-    ) -> T:
-        """Run ``fn(client, seconds)`` on the preferred endpoint, failing over to the others,
-        round after round, all within ``timeout_s`` (a wait for one of the ``max_in_flight``
-        slots included). A member that answers at once with an error (no leader yet, leader
-        changed, connection refused) costs a try, not the deadline: elections last about a
-        second, so rounds go on with a short pause until it passes.
-
-        ``fn`` must be safe to repeat: an attempt that timed out may have been applied (a
-        repeated compare-and-set then loses, and its caller re-reads)."""
-        if self._closed:
-            raise StoreUnavailable("The etcd store is closed (the service is shutting down).")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
-        n = len(self.endpoints)
-        try:
-            async with asyncio.timeout_at(deadline):
-                if slots:  # the liveness probe takes none: it must not queue behind a storm
-                    await self._slots.acquire()
-        except TimeoutError:
-            busy = f"all {self._max_in_flight} calls this replica may have in flight stayed busy"
-            raise self._unavailable(what, [busy]) from None
-        failures: list[str] = []
-        start = self._preferred
-        try:
-            for attempt in range(_MAX_TRIES):
-                if attempt and attempt % n == 0:  # every endpoint failed this round
-                    pause = min(0.05 * (attempt // n), 0.25, deadline - loop.time())
-                    await asyncio.sleep(max(0.0, pause))
-                # A fair share of the time left for each endpoint not yet tried this round.
-                budget = (deadline - loop.time()) / (n - attempt % n)
-                if budget <= 0:
-                    break
-                index = (start + attempt) % n
-                where = "{}:{}".format(*self.endpoints[index])
-                try:
-                    # The deadline travels with the RPC (gRPC's own): it bounds etcd's answer,
-                    # not the turns this process takes to read an answer that came in time.
-                    return await fn(await self._client(index), budget)
-                except TimeoutError:
-                    failures.append(f"{where}: no answer within {budget:.1f} s")
-                except rpc.AioRpcError as exc:
-                    if exc.code() == rpc.StatusCode.INVALID_ARGUMENT:
-                        raise self._refused(what, exc.details()) from exc
-                    if exc.code() == rpc.StatusCode.DEADLINE_EXCEEDED:
-                        failures.append(f"{where}: no answer within {budget:.1f} s")
-                    else:
-                        failures.append(f"{where}: {exc.code().name} {exc.details()}")
-                except aetcd.InvalidArgumentError as exc:
-                    raise self._refused(what, str(exc)) from exc
-                except (aetcd.ClientError, OSError) as exc:
-                    failures.append(f"{where}: {exc!r}")
-                if self._preferred == index:
-                    self._preferred = (index + 1) % n
-        finally:
-            if slots:
-                self._slots.release()
-        raise self._unavailable(what, failures[-n:], len(failures))
-
-    def _unavailable(self, what: str, last: list[str], tries: int = 0) -> StoreUnavailable:
-        return StoreUnavailable(
-            f"etcd did not answer the {what} within {self._timeout_s:g} s ({tries} tries; "
-            f"last: {'; '.join(last) or 'no time left'}). Check that a majority of the etcd "
-            "members is up and reachable from this replica, and that etcd keeps up (its disk "
-            "and CPU)."
-        )
-
-    @staticmethod
-    def _refused(what: str, why: str) -> StoreUnavailable:
-        return StoreUnavailable(
-            f"etcd refused the {what}: {why}. If it says the request is too large, raise "
-            "etcd's --max-request-bytes above the largest agent metadata blob."
-        )
 
     async def _head(self, client: aetcd.Client, seconds: float) -> int:
         """The store's revision, by a linearizable read of one (absent) key."""
@@ -398,11 +285,11 @@ class EtcdStore(Store):
         if hub is not None:
             await asyncio.shield(hub.opened)
             return hub
-        hub = self._hubs[segment] = WatchHub(start, self._preferred)
+        hub = self._hubs[segment] = WatchHub(start, self._cluster.preferred)
         key = self._key(segment)
 
         async def open_watch(client: aetcd.Client, seconds: float) -> Any:
-            hub.index = self._clients.index(client)
+            hub.index = self._cluster.index(client)
             try:
                 async with asyncio.timeout(seconds):
                     end = prefix_range_end(key)
@@ -461,10 +348,13 @@ class EtcdStore(Store):
                     self._trouble.set_result(exc)
                 return
             for segment, hub in list(self._hubs.items()):
-                if hub.index != self._preferred and hub.opened.done():
+                if hub.index != self._cluster.preferred and hub.opened.done():
                     self._bury(segment, hub)
 
     # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._cluster.start(self._root)
 
     async def ping(self) -> None:
         await self._call("read", self._head)
@@ -477,8 +367,4 @@ class EtcdStore(Store):
             if task is not None:
                 task.cancel()
         self._hubs.clear()
-        clients = [c for c in self._clients if c is not None]
-        self._clients = [None] * len(self.endpoints)
-        for client in clients:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.close(), 2.0)
+        await self._cluster.close()

@@ -1,7 +1,10 @@
 """Real etcd for tests: Debian's ``etcd`` binary on loopback, one member or a cluster.
 
 Each member has its own free ports and data directory and can be killed (SIGKILL) and
-restarted on the same data, so tests can take a cluster below quorum and back.
+restarted on the same data, so tests can take a cluster below quorum and back. With
+:class:`EtcdTls` the members serve TLS to clients only (``--client-cert-auth``), with
+certificates made at test time (``trustme``); :meth:`EtcdCluster.enable_auth` turns on etcd's
+authentication with a user whose role covers one key prefix (``etcdctl``).
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -32,9 +37,59 @@ def etcd_available() -> bool:
     return Path(ETCD_BIN).is_file() and os.access(ETCD_BIN, os.X_OK)
 
 
+class EtcdTls:
+    """A CA made now, etcd's server certificate (127.0.0.1, localhost) and a client
+    certificate, as files under ``root``; ``other_ca`` signed none of them."""
+
+    def __init__(self, root: Path, client_cn: str = "engine-registry") -> None:
+        import trustme
+
+        root.mkdir(parents=True, exist_ok=True)
+        ca = trustme.CA(organization_name="etcd test CA")
+        self.ca = root / "ca.pem"
+        self.server_cert, self.server_key = root / "server.pem", root / "server.key"
+        self.client_cert, self.client_key = root / "client.pem", root / "client.key"
+        self.other_ca = root / "other-ca.pem"
+        ca.cert_pem.write_to_path(str(self.ca))
+        server = ca.issue_cert("127.0.0.1", "localhost")
+        server.cert_chain_pems[0].write_to_path(str(self.server_cert))
+        server.private_key_pem.write_to_path(str(self.server_key))
+        client = ca.issue_cert(f"{client_cn}.client.test", common_name=client_cn)
+        client.cert_chain_pems[0].write_to_path(str(self.client_cert))
+        client.private_key_pem.write_to_path(str(self.client_key))
+        trustme.CA().cert_pem.write_to_path(str(self.other_ca))
+
+    def etcdctl_flags(self) -> list[str]:
+        cert, key = str(self.client_cert), str(self.client_key)
+        return ["--cacert", str(self.ca), "--cert", cert, "--key", key]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca))
+        context.load_cert_chain(str(self.client_cert), str(self.client_key))
+        return context
+
+
+@dataclass(frozen=True)
+class EtcdUser:
+    """A user :meth:`EtcdCluster.enable_auth` made, with readwrite on keys under ``prefix``."""
+
+    name: str
+    password: str
+    prefix: str
+
+
 class EtcdMember:
-    def __init__(self, name: str, root: Path, cluster_token: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        cluster_token: str,
+        tls: EtcdTls | None = None,
+        auth_token_ttl_s: int | None = None,
+    ) -> None:
         self.name = name
+        self.tls = tls
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data_dir = root / name
@@ -45,7 +100,7 @@ class EtcdMember:
 
     @property
     def client_url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -67,6 +122,13 @@ class EtcdMember:
             "--max-request-bytes", str(8 * 1024 * 1024),
             "--logger", "zap", "--log-level", "warn", "--enable-pprof=false",
         ]  # fmt: skip
+        if self.tls is not None:
+            cmd += [
+                "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+                "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth",
+            ]  # fmt: skip
+        if self.auth_token_ttl_s is not None:  # simple tokens unused this long expire
+            cmd += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         try:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
@@ -77,8 +139,9 @@ class EtcdMember:
         return self.proc is not None and self.proc.poll() is None
 
     def healthy(self) -> bool:
+        verify: ssl.SSLContext | bool = self.tls.ssl_context() if self.tls else True
         try:
-            answer = httpx.get(f"{self.client_url}/health", timeout=1.0)
+            answer = httpx.get(f"{self.client_url}/health", timeout=1.0, verify=verify)
         except httpx.HTTPError:
             return False
         return answer.status_code == 200 and answer.json().get("health") == "true"
@@ -91,12 +154,23 @@ class EtcdMember:
 
 
 class EtcdCluster:
-    """``size`` members on loopback under ``root``; use as a context manager."""
+    """``size`` members on loopback under ``root``; use as a context manager. ``tls``: serve
+    clients TLS only, with client certificates required; ``auth_token_ttl_s``: etcd's
+    ``--auth-token-ttl`` (how long an unused auth token lives)."""
 
-    def __init__(self, root: Path, size: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        size: int = 1,
+        *,
+        tls: EtcdTls | None = None,
+        auth_token_ttl_s: int | None = None,
+    ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.size = size
+        self.tls = tls
+        self.auth_token_ttl_s = auth_token_ttl_s
         self.members: list[EtcdMember] = []
         self._layout()
 
@@ -104,7 +178,10 @@ class EtcdCluster:
         """Fresh ports, names and data dirs for a new cluster."""
         token = f"test-{os.getpid()}-{time.monotonic_ns()}"
         attempt = time.monotonic_ns() % 1_000_000
-        self.members = [EtcdMember(f"m{i}-{attempt}", self.root, token) for i in range(self.size)]
+        self.members = [
+            EtcdMember(f"m{i}-{attempt}", self.root, token, self.tls, self.auth_token_ttl_s)
+            for i in range(self.size)
+        ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.initial_cluster = initial
@@ -113,8 +190,37 @@ class EtcdCluster:
     def endpoints(self) -> list[str]:
         return [m.endpoint for m in self.members]
 
-    def url(self, prefix: str = "registry") -> str:
-        return f"etcd://{','.join(self.endpoints)}/{prefix}"
+    def url(self, prefix: str = "registry", scheme: str | None = None) -> str:
+        scheme = scheme or ("etcds" if self.tls else "etcd")
+        return f"{scheme}://{','.join(self.endpoints)}/{prefix}"
+
+    def etcdctl(self, *args: str, user: str | None = None) -> str:
+        """Run ``etcdctl`` against the live members (with the test certificates under TLS,
+        as ``user`` ("name:password") once auth is on); returns its output."""
+        live = [m.endpoint for m in self.members if m.alive()]
+        cmd = [ETCDCTL_BIN, "--endpoints", ",".join(live), "--command-timeout=5s"]
+        cmd += self.tls.etcdctl_flags() if self.tls else []
+        cmd += ["--user", user] if user else []
+        done = subprocess.run(
+            [*cmd, *args], capture_output=True, text=True, timeout=15,
+            env={**os.environ, "ETCDCTL_API": "3"},
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)} failed: {done.stderr.strip()}")
+        return done.stdout
+
+    def enable_auth(self, user: str, password: str, prefix: str) -> EtcdUser:
+        """etcd's authentication on: ``root`` (password ``password``, for the tests' own
+        admin calls) and ``user`` whose role reads and writes keys starting with ``prefix``
+        (the docs' recipe, docs/deployment.md)."""
+        self.etcdctl("user", "add", f"root:{password}")
+        self.etcdctl("user", "grant-role", "root", "root")
+        self.etcdctl("role", "add", user)
+        self.etcdctl("role", "grant-permission", user, "--prefix=true", "readwrite", prefix)
+        self.etcdctl("user", "add", f"{user}:{password}")
+        self.etcdctl("user", "grant-role", user, user)
+        self.etcdctl("auth", "enable")
+        return EtcdUser(user, password, prefix)
 
     def start(self, timeout_s: float = 30.0) -> EtcdCluster:
         # A free port can be taken by someone else between our probe and etcd's bind: then
@@ -152,11 +258,7 @@ class EtcdCluster:
         live = [m for m in self.members if m.alive()]
         if not Path(ETCDCTL_BIN).is_file():
             return self.members.index(live[0])
-        out = subprocess.run(
-            [ETCDCTL_BIN, "--endpoints", ",".join(m.endpoint for m in live),
-             "endpoint", "status", "-w", "json", "--command-timeout=5s"],
-            capture_output=True, timeout=15, check=True, env={**os.environ, "ETCDCTL_API": "3"},
-        ).stdout  # fmt: skip
+        out = self.etcdctl("endpoint", "status", "-w", "json")
         statuses = json.loads(out)
         leader = statuses[0]["Status"]["leader"]
         for status in statuses:
