@@ -6,6 +6,7 @@ registry itself does for a heartbeat or a lookup (``bench/README.md`` has the br
 Workers send these few requests thousands of times a second at fleet scale:
 
     GET  /tp-groups/{group_id}/engine                      (no query)
+    PUT  /tp-groups/{group_id}/engine                      (rank 0 opens its launch)
     PUT  /tp-groups/{group_id}/engine/agents/{rank}
     POST /tp-groups/{group_id}/engine/agents/{rank}/heartbeat
     POST /engines/{engine_id}/handshake
@@ -40,6 +41,7 @@ from app.schemas import (
     MAX_TP_SIZE,
     EngineIdBody,
     HandshakeRequest,
+    OpenEngineRequest,
     RegisterAgentRequest,
 )
 
@@ -81,6 +83,7 @@ class FastPath:
         self.app = app
         by_path = {getattr(r, "path", ""): r for r in routes}
         self.get_engine = (self._get_engine, by_path["/tp-groups/{group_id}/engine"])
+        self.open_engine = (self._open_engine, by_path["/tp-groups/{group_id}/engine"])
         self.register = (self._register, by_path["/tp-groups/{group_id}/engine/agents/{rank}"])
         self.heartbeat = (
             self._heartbeat,
@@ -93,7 +96,9 @@ class FastPath:
         n = len(parts)
         if n >= 3 and parts[0] == "tp-groups" and parts[2] == "engine":
             if n == 3:
-                return self.get_engine if method == "GET" else None
+                if method == "GET":
+                    return self.get_engine
+                return self.open_engine if method == "PUT" else None
             if parts[3] != "agents":
                 return None
             if n == 5:
@@ -147,6 +152,15 @@ class FastPath:
         self, scope: Scope, parts: list[str], raw: bytes | None
     ) -> tuple[int, BaseModel]:
         return 200, await self._registry(scope).get_engine(_group(parts[1]))
+
+    async def _open_engine(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        gid = _group(parts[1])
+        engine, created = await self._registry(scope).open_engine(
+            gid, _body(OpenEngineRequest, raw)
+        )
+        return (201 if created else 200), engine
 
     async def _register(
         self, scope: Scope, parts: list[str], raw: bytes | None

@@ -98,5 +98,16 @@ def test_valid_and_invalid_hot_requests_answer_alike(
         ("POST", "/engines/{eid}/handshake", {"tp_size": 3, "rank": 0}),  # 422 tp ratio
         ("POST", "/engines/{eid}/handshake", {"tp_size": 2, "rank": 2}),  # 422 rank
         ("POST", "/engines/unknown/handshake", {"tp_size": 2, "rank": 0}),  # 404
+        # Opening: the same launch again (200), a new one (201, generation 2), a launch that
+        # was superseded (409), bad bodies (422).
+        ("PUT", "/tp-groups/{g}/engine", {"launch_id": "l2", "tp_size": 2, "role": "prefill"}),
+        ("PUT", "/tp-groups/{g}/engine", {"launch_id": "l2", "tp_size": 2, "role": "prefill"}),
+        ("PUT", "/tp-groups/{g}/engine", {"launch_id": "l1", "tp_size": 2, "role": "prefill"}),
+        ("PUT", "/tp-groups/{g}/engine", {"launch_id": "l3", "tp_size": 0, "role": "prefill"}),
+        ("PUT", "/tp-groups/{g}/engine", {"launch_id": "l3", "tp_size": 2, "role": "chef"}),
+        ("PUT", "/tp-groups/{g}/engine", {"launch_id": "l3", "tp_size": 2}),
+        ("PUT", "/tp-groups/{g}%0A/engine", {"launch_id": "l3", "tp_size": 2, "role": "prefill"}),
+        ("PUT", "/tp-groups/{g}/engine", b"[1, 2]"),
+        ("PUT", "/tp-groups/{g}/engine", None),  # no body: 422
     ]
     same_everywhere(servers, steps, tmp_path)
