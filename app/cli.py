@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     from app import logs
     from app.auth import TokenFileError
     from app.main import create_app
-    from app.server import serve
+    from app.server import serve, server_tls
     from app.settings import Settings
 
     overrides: dict[str, Any] = {
@@ -57,11 +57,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(settings.log_level)
     try:
+        tls = server_tls(settings)
         app = create_app(settings)
     except ValueError as exc:
         print(f"engine-registry: cannot start: {exc}", file=sys.stderr)
         return 2
-    serve(app, settings)
+    serve(app, settings, tls)
     return 0
 
 

@@ -67,11 +67,34 @@ class Settings(BaseSettings):
     fast_path: bool = Field(
         True, description="Answer the hot routes without FastAPI's per-request machinery."
     )
+    # Transport security (docs/security.md): HTTPS, and mutual TLS with a client CA.
+    tls_cert: Path | None = Field(
+        None, description="PEM certificate chain; with --tls-key the registry serves HTTPS only."
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert.")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="PEM CA bundle: clients must present a certificate it signed (mutual TLS).",
+    )
 
     @field_validator("store")
     @classmethod
     def _store_url(cls, value: str) -> str:
         return check_store_url(value)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "HTTPS needs both --tls-cert and --tls-key (REGISTRY_TLS_CERT, REGISTRY_TLS_KEY); "
+                "only one was given"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "--tls-client-ca (REGISTRY_TLS_CLIENT_CA) needs HTTPS: give --tls-cert and "
+                "--tls-key too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _refuse_open_network(self) -> Settings:
