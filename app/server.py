@@ -41,7 +41,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.problems import PROBLEM_MEDIA_TYPE
 from app.settings import Settings, is_loopback_host
-from app.tls import bounded_handshake_loop, server_context
+from app.tls import server_context, tls_loop_factory
 
 log = logging.getLogger("app")
 
@@ -279,8 +279,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 
 
 class RegistryConfig(uvicorn.Config):
-    """uvicorn's config serving the registry's own TLS context (``app.tls``), its handshakes
-    bounded by the header timeout."""
+    """uvicorn's config serving the registry's own TLS context (``app.tls``) on asyncio's loop
+    with alerting, bounded handshakes (uvloop for plain HTTP)."""
 
     def __init__(
         self, app: FastAPI, *, tls: ssl.SSLContext | None, handshake_timeout_s: float, **kw: Any
@@ -297,7 +297,7 @@ class RegistryConfig(uvicorn.Config):
     def get_loop_factory(self) -> Callable[[], asyncio.AbstractEventLoop] | None:
         if self._tls is None:
             return super().get_loop_factory()
-        return bounded_handshake_loop(self._handshake_timeout_s)
+        return tls_loop_factory(self._handshake_timeout_s)
 
 
 def server_tls(settings: Settings) -> ssl.SSLContext | None:
