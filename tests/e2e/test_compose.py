@@ -273,6 +273,82 @@ def test_registry_environment_is_accepted_by_the_service_settings(tmp_path: Path
             assert service.secrets == ["registry_tokens"]
 
 
+TLS_OVERLAY = DOCKER / "compose.tls.yaml"
+
+
+@needs_compose
+def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certificates(
+    tmp_path: Path,
+) -> None:
+    """docker/compose.tls.yaml over compose.yaml: valid for the compose parser; the registries
+    read their certificate, key and client CA from secrets, which load into the service's
+    own settings and TLS context; every worker has an https URL and its CA, certificate and
+    key from secrets too; the secrets' files are git-ignored."""
+    import trustme
+
+    from app.settings import Settings
+    from app.tls import server_context
+    from workers.tls import ClientTLS
+
+    assert COMPOSE_BIN is not None
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    run = subprocess.run(
+        [COMPOSE_BIN, "-f", str(COMPOSE_FILE), "-f", str(TLS_OVERLAY), "--profile", "ha",
+         "config"],
+        env={**clean, **OPERATOR_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    config = yaml.safe_load(run.stdout)
+    ca = trustme.CA()
+    issued = ca.issue_cert("registry", "registry-2")
+    client = ca.issue_cert("worker")
+    made = {  # what the operator puts in docker/secrets/tls, by secret
+        "registry_tls_cert": issued.cert_chain_pems[0],
+        "registry_tls_key": issued.private_key_pem,
+        "registry_ca": ca.cert_pem,
+        "registry_client_cert": client.cert_chain_pems[0],
+        "registry_client_key": client.private_key_pem,
+    }
+    for name, blob in made.items():
+        blob.write_to_path(str(tmp_path / name))
+        source = Path(config["secrets"][name]["file"])
+        assert source.is_relative_to(DOCKER / "secrets" / "tls"), source
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(source)], cwd=ROOT, check=False)
+        assert ignored.returncode == 0, f"{source} must never be committed"
+
+    def local(service: dict[str, Any], path: str) -> Path:
+        """A /run/secrets path of ``service``, as the file made for that secret."""
+        name = path.removeprefix("/run/secrets/")
+        assert name in {s["source"] for s in service["secrets"]}, f"{name} not mounted"
+        return tmp_path / name
+
+    for name in ("registry", "registry-2"):
+        service = config["services"][name]
+        env = service["environment"]
+        settings = Settings(
+            host=env["REGISTRY_HOST"],
+            tokens="worker:" + "w" * 24,
+            tls_cert=local(service, env["REGISTRY_TLS_CERT"]),
+            tls_key=local(service, env["REGISTRY_TLS_KEY"]),
+            tls_client_ca=local(service, env["REGISTRY_TLS_CLIENT_CA"]),
+        )
+        assert settings.tls_cert is not None
+        assert settings.tls_key is not None
+        context = server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        assert context.verify_mode.name == "CERT_REQUIRED"
+        assert "registry_tokens" in {s["source"] for s in service["secrets"]}
+        assert "https://" in " ".join(service["healthcheck"]["test"]), name
+    for name in ("prefill-node0", "prefill-node1", "decode"):
+        service = config["services"][name]
+        env = service["environment"]
+        assert env["WORKERS_REGISTRY_URL"].startswith("https://registry:"), name
+        files = {k: str(local(service, env[k])) for k in env if k.startswith("WORKERS_REGISTRY_")
+                 and k.removeprefix("WORKERS_REGISTRY_") in ("CA", "CERT", "KEY")}  # fmt: skip
+        assert len(files) == 3, name
+        ClientTLS.from_env("WORKERS_REGISTRY", files).context  # noqa: B018  loads all three
+
+
 def test_tokens_come_only_from_the_secret_file_or_the_environment() -> None:
     raw = COMPOSE_FILE.read_text()
     assert re.search(r"WORKERS_REGISTRY_TOKEN: \$\{WORKER_TOKEN:-\}", raw)
