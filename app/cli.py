@@ -164,22 +164,21 @@ def format_tokens(status: dict[str, Any]) -> str:
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
     parser.add_argument(
         "--ca",
-        default=env("REGISTRY_CA") or env("ENGINE_REGISTRY_CA") or None,
+        default=os.environ.get("REGISTRY_CA") or os.environ.get("ENGINE_REGISTRY_CA") or None,
         help="PEM CA bundle that signed an https:// registry's certificate "
         "(REGISTRY_CA, ENGINE_REGISTRY_CA; default: the system trust store)",
     )
     parser.add_argument(
         "--cert",
-        default=env("REGISTRY_CERT") or env("ENGINE_REGISTRY_CERT") or None,
+        default=os.environ.get("REGISTRY_CERT") or os.environ.get("ENGINE_REGISTRY_CERT") or None,
         help="PEM client certificate, for a registry with mutual TLS "
         "(REGISTRY_CERT, ENGINE_REGISTRY_CERT)",
     )
     parser.add_argument(
         "--key",
-        default=env("REGISTRY_KEY") or env("ENGINE_REGISTRY_KEY") or None,
+        default=os.environ.get("REGISTRY_KEY") or os.environ.get("ENGINE_REGISTRY_KEY") or None,
         help="PEM key of --cert (REGISTRY_KEY, ENGINE_REGISTRY_KEY)",
     )
 

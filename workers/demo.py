@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import httpx
 
-from workers.tls import ClientTLS
+from workers.tls import VARS_OF_WORKERS, ClientTLS
 
 ROOT = Path(__file__).resolve().parents[1]
 _PRINT_LOCK = threading.Lock()
@@ -285,10 +285,10 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
         if args.registry:
             url = args.registry
             # The workers inherit the environment: they read these (workers.launch).
-            for name, value in (("CA", args.ca), ("CERT", args.cert), ("KEY", args.key)):
+            for name, value in zip(VARS_OF_WORKERS, (args.ca, args.cert, args.key), strict=True):
                 if value:
-                    os.environ[f"WORKERS_REGISTRY_{name}"] = value
-            ClientTLS.from_env("WORKERS_REGISTRY")  # a bad path fails here, not in every rank
+                    os.environ[name] = value
+            ClientTLS.from_env()  # a bad path fails here, not in every rank
         else:
             registry, url = start_registry(workdir, args.quiet, deadline)
             procs.append(registry)

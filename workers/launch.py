@@ -222,7 +222,7 @@ def start_rank(args: argparse.Namespace, role: str) -> RankSession:
 
 
 def client_factory(args: argparse.Namespace) -> Callable[[], RegistryClient]:
-    tls = ClientTLS.from_env("WORKERS_REGISTRY")  # https:// URLs: CA, client cert and key
+    tls = ClientTLS.from_env()  # https:// URLs: CA, client cert and key
 
     def make() -> RegistryClient:
         return RegistryClient(args.registry, token=args.token, timeout_s=args.timeout_s, tls=tls)

@@ -21,6 +21,10 @@ from pathlib import Path
 
 from workers.errors import RegistryError
 
+# The CA bundle, client certificate and key: of the worker library, and of the vLLM plugin.
+VARS_OF_WORKERS = ("WORKERS_REGISTRY_CA", "WORKERS_REGISTRY_CERT", "WORKERS_REGISTRY_KEY")
+VARS_OF_PLUGIN = ("ENGINE_REGISTRY_CA", "ENGINE_REGISTRY_CERT", "ENGINE_REGISTRY_KEY")
+
 
 class TLSConfigError(ValueError):
     """A CA, certificate or key that cannot be used; the message names the setting."""
@@ -57,10 +61,13 @@ class ClientTLS:
         _readable(self.key, self.key_name)
 
     @classmethod
-    def from_env(cls, prefix: str, environ: Mapping[str, str] | None = None) -> ClientTLS:
-        """``{prefix}_CA``, ``{prefix}_CERT``, ``{prefix}_KEY`` (unset or empty: none)."""
+    def from_env(
+        cls, names: tuple[str, str, str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> ClientTLS:
+        """The CA, certificate and key named by these variables (default the workers'
+        ``VARS_OF_WORKERS``); unset or empty: none."""
         env = os.environ if environ is None else environ
-        names = (f"{prefix}_CA", f"{prefix}_CERT", f"{prefix}_KEY")
+        names = names or VARS_OF_WORKERS
         ca, cert, key = (Path(v) if (v := env.get(n, "").strip()) else None for n in names)
         return cls(ca, cert, key, *names)
 

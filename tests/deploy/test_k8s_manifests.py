@@ -435,6 +435,6 @@ def test_the_tls_overlay_serves_https_from_secrets_and_gives_the_clients_only_th
         keys = next(o for o in objects if o["metadata"]["name"] == secret)["data"].keys()
         assert set(keys) == {ca.name}, f"LeaderWorkerSet/{lws} {role}: {secret} has {keys}"
         (tmp_path / ca.name).write_text(k8s.secret_value(objects, secret, ca.name))
-        ClientTLS.from_env("ENGINE_REGISTRY", {"ENGINE_REGISTRY_CA": str(tmp_path / ca.name)})
+        ClientTLS(ca=tmp_path / ca.name)
         checked += 1
     assert checked == 3  # prefill leader and worker, decode

@@ -346,7 +346,7 @@ def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certif
         files = {k: str(local(service, env[k])) for k in env if k.startswith("WORKERS_REGISTRY_")
                  and k.removeprefix("WORKERS_REGISTRY_") in ("CA", "CERT", "KEY")}  # fmt: skip
         assert len(files) == 3, name
-        ClientTLS.from_env("WORKERS_REGISTRY", files).context  # noqa: B018  loads all three
+        ClientTLS.from_env(None, files).context  # noqa: B018  loads all three
 
 
 def test_tokens_come_only_from_the_secret_file_or_the_environment() -> None:

@@ -72,7 +72,7 @@ def test_the_worker_library_registers_over_mutual_tls(
     mutual_server: RegistryProcess, pki: Pki
 ) -> None:
     tls = ClientTLS.from_env(
-        "WORKERS_REGISTRY",
+        None,
         {
             "WORKERS_REGISTRY_CA": str(pki.ca),
             "WORKERS_REGISTRY_CERT": str(pki.client_cert),

@@ -16,7 +16,7 @@ from app.tls import TlsConfigError, server_context
 from app.tokens import TokenSource
 from tests.support.server import ROOT
 from tests.tls.conftest import ADMIN, WORKER, Pki, tokens_file
-from workers.tls import ClientTLS, TLSConfigError, classify
+from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError, classify
 
 
 def test_the_server_context_is_tls_1_2_or_newer_and_mutual_only_with_a_client_ca(
@@ -59,10 +59,10 @@ def test_settings_need_the_certificate_and_key_together(pki: Pki) -> None:
 
 def test_client_tls_names_the_variable_of_a_missing_file(pki: Pki) -> None:
     with pytest.raises(TLSConfigError, match=r"ENGINE_REGISTRY_CA .*absent\.pem"):
-        ClientTLS.from_env("ENGINE_REGISTRY", {"ENGINE_REGISTRY_CA": str(pki.ca) + ".absent.pem"})
+        ClientTLS.from_env(VARS_OF_PLUGIN, {"ENGINE_REGISTRY_CA": str(pki.ca) + ".absent.pem"})
     with pytest.raises(TLSConfigError, match="WORKERS_REGISTRY_KEY is set but"):
         ClientTLS(key=pki.client_key)
-    nothing = ClientTLS.from_env("WORKERS_REGISTRY", {"WORKERS_REGISTRY_CA": " "})
+    nothing = ClientTLS.from_env(None, {"WORKERS_REGISTRY_CA": " "})
     assert nothing.ca is None
     assert nothing.context.verify_mode == ssl.CERT_REQUIRED  # the system store, verified
     assert nothing.context.check_hostname

@@ -34,7 +34,7 @@ from workers.errors import (
 )
 from workers.identity import EngineIdentity, sync_engine_id
 from workers.models import Role
-from workers.tls import ClientTLS, TLSConfigError
+from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError
 from workers.vllm_plugin import ENV_URL, SUPPORTED_VLLM_VERSIONS
 from workers.vllm_plugin.compat import compat_of, vllm_version
 from workers.vllm_plugin.registration import Registration
@@ -72,7 +72,7 @@ class Settings:
     timeout_s: float
     launch_id: str
     refuse_exit_s: float = 10.0
-    tls: ClientTLS = field(default_factory=lambda: ClientTLS.from_env("ENGINE_REGISTRY", {}))
+    tls: ClientTLS = field(default_factory=lambda: ClientTLS.from_env(VARS_OF_PLUGIN, {}))
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -96,7 +96,7 @@ class Settings:
         elif role_name == "both":
             role = "both"
         try:  # ENGINE_REGISTRY_CA, ENGINE_REGISTRY_CERT, ENGINE_REGISTRY_KEY
-            tls = ClientTLS.from_env("ENGINE_REGISTRY")
+            tls = ClientTLS.from_env(VARS_OF_PLUGIN)
         except TLSConfigError as exc:
             raise PluginConfigError(f"engine-registry plugin: {exc}") from None
         return cls(
