@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 
@@ -40,7 +41,7 @@ from tests.e2e.compose_support import (
     load_services,
     read_env_file,
 )
-from tests.support.server import RegistryProcess, free_port
+from tests.support.server import RegistryProcess, TlsFiles, free_port
 
 COMPOSE_BIN = shutil.which("docker-compose")
 needs_compose = pytest.mark.skipif(
@@ -347,6 +348,54 @@ def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certif
                  and k.removeprefix("WORKERS_REGISTRY_") in ("CA", "CERT", "KEY")}  # fmt: skip
         assert len(files) == 3, name
         ClientTLS.from_env(None, files).context  # noqa: B018  loads all three
+
+
+def test_the_prefill_health_check_asks_an_https_registry_with_the_workers_certificate(
+    tmp_path: Path,
+) -> None:
+    """prefill-node0's health check (what decode waits on) with the overlay's variables,
+    against a real registry requiring client certificates: unhealthy until the group's engine
+    is ready, then healthy."""
+    import trustme
+
+    ca = trustme.CA()
+    files = {name: tmp_path / name for name in ("ca", "crt", "key", "client.crt", "client.key")}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("worker")
+    server.cert_chain_pems[0].write_to_path(str(files["crt"]))
+    server.private_key_pem.write_to_path(str(files["key"]))
+    client.cert_chain_pems[0].write_to_path(str(files["client.crt"]))
+    client.private_key_pem.write_to_path(str(files["client.key"]))
+    tls = TlsFiles(files["crt"], files["key"], files["ca"], files["ca"],
+                   files["client.crt"], files["client.key"])  # fmt: skip
+    check = load_services(OPERATOR_ENV)["prefill-node0"].healthcheck
+    assert check is not None
+    argv = [sys.executable, *check[1:]]
+    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", tls=tls) as registry:
+        env = {
+            **os.environ,
+            "WORKERS_REGISTRY_URL": registry.url,
+            "WORKERS_REGISTRY_CA": str(files["ca"]),
+            "WORKERS_REGISTRY_CERT": str(files["client.crt"]),
+            "WORKERS_REGISTRY_KEY": str(files["client.key"]),
+        }
+        before = subprocess.run(argv, env=env, capture_output=True, timeout=20, check=False)
+        assert before.returncode == 1, before.stderr
+        with httpx.Client(base_url=registry.url, verify=tls.client_context()) as api:
+            engine = api.put(
+                "/tp-groups/prefill-0/engine",
+                json={"launch_id": "l-1", "tp_size": 1, "role": "prefill"},
+            ).json()
+            kv = {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
+                  "block_len": 1}  # fmt: skip
+            registered = api.put(
+                "/tp-groups/prefill-0/engine/agents/0",
+                json={"engine_id": engine["engine_id"], "agent_name": "rank-0",
+                      "agent_metadata": "bml4bA==", "host": "10.0.0.5", "kv": kv},
+            )  # fmt: skip
+            assert registered.status_code == 201, registered.text
+        ready = subprocess.run(argv, env=env, capture_output=True, timeout=20, check=False)
+        assert ready.returncode == 0, ready.stderr
 
 
 def test_tokens_come_only_from_the_secret_file_or_the_environment() -> None:
