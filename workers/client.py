@@ -11,7 +11,8 @@ Policy, in one place:
   once, backoff sleeps only after a full round; the last URL that answered is tried first.
 - Error answers become the `ProblemError` subclass named by their `code`.
 - `https://` URLs are verified (`tls`: a `workers.tls.ClientTLS`, else the system trust
-  store); a TLS failure that retrying cannot fix raises `RegistryTLSError` at once.
+  store); a TLS failure that retrying cannot fix is not retried: once every replica has
+  failed so, `RegistryTLSError` is raised (at once with one URL).
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class RegistryClient:
         attempt = 0
         last_exc: Exception | None = None
         last_problem: ProblemError | None = None
+        tls_errors: dict[str, Exception] = {}
         while True:
             index = (self._preferred + attempt) % n
             url = self.urls[index]
@@ -149,7 +151,9 @@ class RegistryClient:
             except httpx.TransportError as exc:
                 tls_error = tls_failure(exc, url, self.tls)
                 if tls_error is not None:  # a wrong CA, no client certificate: not weather
-                    raise tls_error from exc
+                    tls_errors[url] = tls_error
+                    if len(tls_errors) == n:  # every replica refused: retrying cannot help
+                        raise tls_error from exc
                 last_exc = exc
             else:
                 if response.status_code < 400:

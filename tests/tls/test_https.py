@@ -72,6 +72,16 @@ def test_a_wrong_ca_fails_at_once_naming_the_url_and_the_setting(
         client.healthz()
 
 
+def test_a_replica_that_refuses_the_client_is_passed_over_for_one_that_answers(
+    server: RegistryProcess, mutual_server: RegistryProcess, pki: Pki
+) -> None:
+    # The first replica wants a client certificate this client does not have.
+    urls = [mutual_server.url, server.url]
+    with RegistryClient(urls, tls=ClientTLS(ca=pki.ca), timeout_s=30) as client:
+        assert client.healthz()
+        assert client.url == server.url
+
+
 def test_the_cli_names_the_url_and_the_flag_on_a_wrong_ca(
     server: RegistryProcess, pki: Pki
 ) -> None:
