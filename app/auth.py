@@ -10,7 +10,7 @@ import base64
 import binascii
 import hmac
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -73,11 +73,14 @@ def load_tokens(path: Path) -> Tokens:
 
 
 def required_role(method: str, path: str) -> RoleName | None:
-    """None for public paths; admin to delete a group; reader for reads; worker otherwise."""
+    """None for public paths; admin to delete a group and for /admin/…; reader for reads;
+    worker otherwise."""
     if path in PUBLIC_PATHS:
         return None
     parts = [p for p in path.split("/") if p]
     if method == "DELETE" and len(parts) == 2 and parts[0] == "tp-groups":
+        return "admin"
+    if parts and parts[0] == "admin":
         return "admin"
     if method in {"GET", "HEAD", "OPTIONS"}:
         return "reader"
@@ -94,13 +97,22 @@ def role_of(tokens: Tokens, presented: str) -> RoleName | None:
     return found
 
 
+class TokensHolder(Protocol):
+    """Where the tokens in force are read per request (``app.tokens.TokenSource``)."""
+
+    tokens: Tokens
+
+
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, tokens: Tokens) -> None:
+    """``source.tokens`` is read once per request: a reload swaps it between requests."""
+
+    def __init__(self, app: ASGIApp, source: TokensHolder) -> None:
         self.app = app
-        self.tokens = tokens
+        self.source = source
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.tokens:
+        tokens = self.source.tokens
+        if scope["type"] != "http" or not tokens:
             await self.app(scope, receive, send)
             return
         needed = required_role(scope["method"], scope["path"])
@@ -113,7 +125,7 @@ class AuthMiddleware:
         scheme = scheme.lower()
         if scheme == "basic" and scope["method"] in BASIC_METHODS:
             scheme, presented = "bearer", basic_password(presented)
-        role = role_of(self.tokens, presented.strip()) if scheme == "bearer" else None
+        role = role_of(tokens, presented.strip()) if scheme == "bearer" else None
         if role is None:
             error = Unauthorized(
                 "A valid bearer token is required: send 'Authorization: Bearer <token>' with a "

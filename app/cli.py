@@ -8,10 +8,14 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from workers.tls import ClientTLS
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -41,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     from app import logs
     from app.auth import TokenFileError
     from app.main import create_app
-    from app.server import serve
+    from app.server import serve, server_tls
     from app.settings import Settings
 
     overrides: dict[str, Any] = {
@@ -57,11 +61,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(settings.log_level)
     try:
+        tls = server_tls(settings)
         app = create_app(settings)
     except ValueError as exc:
         print(f"engine-registry: cannot start: {exc}", file=sys.stderr)
         return 2
-    serve(app, settings)
+    serve(app, settings, tls)
     return 0
 
 
@@ -109,6 +114,12 @@ def format_groups(groups: list[dict[str, Any]]) -> str:
 def _status(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get("REGISTRY_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = args.url.rstrip("/")
+    try:
+        tls = client_tls(args)
+    except ValueError as exc:
+        print(f"engine-registry status: {exc}", file=sys.stderr)
+        return 2
     if args.watch:
         from app.cli_watch import Watch
 
@@ -117,14 +128,17 @@ def _status(args: argparse.Namespace) -> int:
             return 2
         timeout = min(args.timeout, max(1.0, args.interval))
         color = sys.stdout.isatty()
-        return Watch(args.url, headers, args.interval, timeout, format_groups, color=color).run()
-    try:
-        answer = httpx.get(
-            f"{args.url.rstrip('/')}/tp-groups", headers=headers, timeout=args.timeout
-        )
-    except httpx.HTTPError as exc:
-        print(f"engine-registry: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+        watch = Watch(args.url, headers, args.interval, timeout, format_groups, color=color)
+        watch.verify = tls.context
+        return watch.run()
+    with httpx.Client(headers=headers, timeout=args.timeout, verify=tls.context) as http:
+        try:
+            answer = http.get(f"{url}/tp-groups")
+            # Admins only (others get 401/403 and see no line): the tokens generation.
+            tokens = http.get(f"{url}/admin/tokens") if answer.status_code == 200 else None
+        except httpx.HTTPError as exc:
+            print(f"engine-registry: {unreachable(exc, args.url, tls)}", file=sys.stderr)
+            return 1
     if answer.status_code != 200:
         try:
             detail = answer.json().get("detail", answer.text)
@@ -136,7 +150,64 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     groups = answer.json()["groups"]
     print(format_groups(groups) if groups else "no groups")
+    if tokens is not None and tokens.status_code == 200:
+        print(format_tokens(tokens.json()))
     return 0
+
+
+def format_tokens(status: dict[str, Any]) -> str:
+    """The admin line of ``status``: which tokens file generation the registry enforces."""
+    if not status.get("enabled"):
+        return "tokens: none (authentication off)"
+    roles = ", ".join(f"{n} {role}" for role, n in sorted(status.get("roles", {}).items()))
+    where = (
+        f"file {status['tokens_file']} sha256 {str(status.get('sha256') or '')[:12]}"
+        if status.get("tokens_file")
+        else "REGISTRY_TOKENS only"
+    )
+    return (
+        f"tokens: generation {status['generation']}, loaded {status['loaded_at']}, "
+        f"{where} ({roles}; pid {status.get('pid')})"
+    )
+
+
+# -- TLS for the client commands (workers.tls: torch-free, imported only when used) -------------
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ca",
+        default=os.environ.get("REGISTRY_CA") or os.environ.get("ENGINE_REGISTRY_CA") or None,
+        help="PEM CA bundle that signed an https:// registry's certificate "
+        "(REGISTRY_CA, ENGINE_REGISTRY_CA; default: the system trust store)",
+    )
+    parser.add_argument(
+        "--cert",
+        default=os.environ.get("REGISTRY_CERT") or os.environ.get("ENGINE_REGISTRY_CERT") or None,
+        help="PEM client certificate, for a registry with mutual TLS "
+        "(REGISTRY_CERT, ENGINE_REGISTRY_CERT)",
+    )
+    parser.add_argument(
+        "--key",
+        default=os.environ.get("REGISTRY_KEY") or os.environ.get("ENGINE_REGISTRY_KEY") or None,
+        help="PEM key of --cert (REGISTRY_KEY, ENGINE_REGISTRY_KEY)",
+    )
+
+
+def client_tls(args: argparse.Namespace) -> ClientTLS:
+    """The flags as a ``workers.tls.ClientTLS`` (ValueError naming a flag that is wrong)."""
+    from workers.tls import ClientTLS
+
+    ca, cert, key = (Path(p) if p else None for p in (args.ca, args.cert, args.key))
+    return ClientTLS(ca, cert, key, ca_name="--ca", cert_name="--cert", key_name="--key")
+
+
+def unreachable(exc: httpx.HTTPError, url: str, tls: ClientTLS) -> str:
+    """A TLS failure names what failed and the flag that fixes it; anything else as is."""
+    from workers.tls import tls_failure
+
+    failure = tls_failure(exc, url, tls)
+    return str(failure) if failure is not None else f"cannot reach {url}: {exc}"
 
 
 # -- probe: is this group's engine ready? (a Kubernetes readiness/startup probe) ------------
@@ -185,6 +256,11 @@ def _probe(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"engine-registry probe: {exc}", file=sys.stderr)
         return PROBE_USAGE
+    try:
+        tls = client_tls(args)
+    except ValueError as exc:
+        print(f"engine-registry probe: {exc}", file=sys.stderr)
+        return PROBE_USAGE
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + args.timeout
     urls = [u.strip().rstrip("/") for u in args.url.split(",") if u.strip()]
@@ -196,10 +272,13 @@ def _probe(args: argparse.Namespace) -> int:
             continue
         try:
             answer = httpx.get(
-                f"{url}/tp-groups/{args.group}/engine", headers=headers, timeout=left
+                f"{url}/tp-groups/{args.group}/engine",
+                headers=headers,
+                timeout=left,
+                verify=tls.context,
             )
         except httpx.HTTPError as exc:
-            failures.append(f"{url}: {type(exc).__name__}: {exc}")
+            failures.append(f"{url}: {type(exc).__name__}: {unreachable(exc, url, tls)}")
             continue
         if answer.status_code == 404:
             print(
@@ -240,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--interval", type=float, default=2.0, help="seconds between frames of --watch"
     )
+    add_tls_flags(status)
     status.set_defaults(func=_status)
 
     probe = sub.add_parser(
@@ -272,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         "else REGISTRY_TOKEN or ENGINE_REGISTRY_TOKEN",
     )
     probe.add_argument("--timeout", type=float, default=5.0, help="deadline for the whole probe")
+    add_tls_flags(probe)
     probe.set_defaults(func=_probe)
 
     demo = sub.add_parser(

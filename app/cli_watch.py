@@ -10,6 +10,7 @@ with the cursor restored and exit status 0.
 
 from __future__ import annotations
 
+import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -43,13 +44,17 @@ class Watch:
     format_groups: Callable[[list[dict[str, Any]]], str]
     out: TextIO = field(default_factory=lambda: sys.stdout)
     color: bool = False
+    verify: ssl.SSLContext | bool = True  # an https:// registry's trust (app.cli's --ca, ...)
     last: dict[str, tuple[Any, ...]] | None = None
     table: list[str] = field(default_factory=list)
     down_since: float | None = None
 
     def fetch(self) -> list[dict[str, Any]]:
         answer = httpx.get(
-            f"{self.url.rstrip('/')}/tp-groups", headers=self.headers, timeout=self.timeout_s
+            f"{self.url.rstrip('/')}/tp-groups",
+            headers=self.headers,
+            timeout=self.timeout_s,
+            verify=self.verify,
         )
         if answer.status_code != 200:
             raise RuntimeError(f"answered {answer.status_code}: {answer.text[:200]}")

@@ -23,6 +23,8 @@ from app.problems import field_errors, problem_response
 from app.registry import Registry
 from app.settings import Settings
 from app.store import Store, create_store
+from app.tokens import TokenSource
+from app.tokens import router as admin_router
 
 log = logging.getLogger("app")
 
@@ -30,6 +32,7 @@ log = logging.getLogger("app")
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
+    tokens = TokenSource(settings.tokens_file, settings.tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,7 +50,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         app.state.registry = registry = Registry(owned, metrics, settings.events_keep)
         log.info("registry serving", extra={"store": owned.description})
         try:
-            yield
+            async with tokens.watching():
+                yield
         finally:
             await registry.events.close()
             await owned.close()
@@ -65,6 +69,8 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.include_router(engines.router)
     app.include_router(health.router)
     app.include_router(status_page.router)
+    app.include_router(admin_router)
+    app.state.tokens = tokens
 
     @app.exception_handler(RegistryError)
     async def on_registry_error(request: Request, exc: RegistryError) -> Response:
@@ -127,7 +133,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     if settings.fast_path:
         app.add_middleware(FastPath, routes=[*tp_groups.router.routes, *engines.router.routes])
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, tokens=settings.auth_tokens())
+    app.add_middleware(AuthMiddleware, source=tokens)
     app.add_middleware(
         ObserveMiddleware,
         metrics=metrics,

@@ -30,6 +30,8 @@ import asyncio
 import json
 import logging
 import resource
+import ssl
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -38,7 +40,8 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.problems import PROBLEM_MEDIA_TYPE
-from app.settings import Settings
+from app.settings import Settings, is_loopback_host
+from app.tls import server_context, tls_loop_factory
 
 log = logging.getLogger("app")
 
@@ -275,8 +278,60 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     }
 
 
-def serve(app: FastAPI, settings: Settings) -> None:
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, **uvicorn_options(settings)
+class RegistryConfig(uvicorn.Config):
+    """uvicorn's config serving the registry's own TLS context (``app.tls``) on asyncio's loop
+    with alerting, bounded handshakes (uvloop for plain HTTP)."""
+
+    def __init__(
+        self, app: FastAPI, *, tls: ssl.SSLContext | None, handshake_timeout_s: float, **kw: Any
+    ) -> None:
+        self._tls = tls
+        self._handshake_timeout_s = handshake_timeout_s
+        super().__init__(app, **kw)
+
+    def load(self) -> None:
+        super().load()
+        if self._tls is not None:
+            self.ssl = self._tls
+
+    def get_loop_factory(self) -> Callable[[], asyncio.AbstractEventLoop] | None:
+        if self._tls is None:
+            return super().get_loop_factory()
+        return tls_loop_factory(self._handshake_timeout_s)
+
+
+def server_tls(settings: Settings) -> ssl.SSLContext | None:
+    """The TLS context the settings ask for (raises ``TlsConfigError`` naming the file)."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    return server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+
+
+def serve(app: FastAPI, settings: Settings, tls: ssl.SSLContext | None = None) -> None:
+    options = uvicorn_options(settings)
+    if tls is not None:
+        # uvicorn marks the scope's scheme https and logs https:// from these; the context
+        # it would build from them is replaced by ``tls`` in RegistryConfig.load().
+        options |= {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
+        log.info(
+            "serving HTTPS",
+            extra={"mutual_tls": settings.tls_client_ca is not None, "min_version": "TLSv1.2"},
+        )
+    elif not is_loopback_host(settings.host):
+        log.warning(
+            f"serving plain HTTP on {settings.host}: bearer tokens and every rank's NIXL agent "
+            "metadata cross the network in clear text, and anyone on the path can read a "
+            "worker token and then register agents or open engines. Serve HTTPS with "
+            "--tls-cert and --tls-key (REGISTRY_TLS_CERT, REGISTRY_TLS_KEY); see "
+            "docs/security.md",
+            extra={"risk": "cleartext_tokens"},
+        )
+    config = RegistryConfig(
+        app,
+        tls=tls,
+        handshake_timeout_s=settings.header_timeout_s,
+        host=settings.host,
+        port=settings.port,
+        **options,
     )
     RegistryServer(config, app).run()

@@ -93,6 +93,15 @@ class Settings(BaseSettings):
     etcd_password: SecretStr | None = Field(
         None, description="etcds:// store: the etcd user's password (prefer the file)."
     )
+    # Transport security (docs/security.md): HTTPS, and mutual TLS with a client CA.
+    tls_cert: Path | None = Field(
+        None, description="PEM certificate chain; with --tls-key the registry serves HTTPS only."
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of --tls-cert.")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="PEM CA bundle: clients must present a certificate it signed (mutual TLS).",
+    )
 
     @field_validator("store")
     @classmethod
@@ -114,6 +123,20 @@ class Settings(BaseSettings):
             password=password,
             password_file=self.etcd_password_file,
         )
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "HTTPS needs both --tls-cert and --tls-key (REGISTRY_TLS_CERT, REGISTRY_TLS_KEY); "
+                "only one was given"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(
+                "--tls-client-ca (REGISTRY_TLS_CLIENT_CA) needs HTTPS: give --tls-cert and "
+                "--tls-key too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _refuse_open_network(self) -> Settings:

@@ -15,7 +15,10 @@ The same storm against:
   (``app.schemas``) but no storage and no logic, on the registry's uvicorn settings
   (``python -m bench.minimal routes PORT``): what the storm costs before any registry work;
 - etcd direct (aetcd, 64 calls in flight): put the engine key, get it, grant a lease and put
-  the blob on it per agent, one range get of the group's agents per handshake.
+  the blob on it per agent, one range get of the group's agents per handshake;
+- the registry's batched routes (``LeanBatched``): the group's leader, which has its ranks'
+  metadata from the TP group's own collectives, opens, registers all 8 ranks in one request
+  and asks one plan for every prefill rank: 3 requests per group.
 """
 
 from __future__ import annotations
@@ -179,6 +182,43 @@ class HttpLean(LeanStorm):
         return row
 
 
+class LeanBatched(HttpLean):
+    """One leader per group: open, one batch registration, one handshake for every rank."""
+
+    def _agent(self, eid: str, rank: int, blob: bytes) -> dict[str, Any]:
+        import base64
+
+        return {
+            "rank": rank, "engine_id": eid, "agent_name": f"{eid}-rank{rank}",
+            "agent_metadata": base64.b64encode(blob).decode(), "host": HOST,
+            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [0x7F0000000000 + rank],
+                   "num_blocks": 1024, "block_len": 65536},
+            "ttl_s": TTL_S,
+        }  # fmt: skip
+
+    async def _rank(self, index: int, gid: str, role: str, pair: int, rank: int) -> None:
+        if rank != 0:
+            return  # the leader does the group's requests
+        eid = await self.timed("open", lambda: self.open(gid, role))
+        self.opened[gid].set_result(eid)
+        body = {"agents": [self._agent(eid, r, self.blobs[index + r]) for r in range(TP)]}
+        path = f"/tp-groups/{gid}/engine/agents"
+        await self.timed("register", lambda: self._call("PUT", path, body))
+        self.ready_at[gid] = time.perf_counter() - self.t0
+        self.complete[gid].set()
+        prefill = f"prefill-{pair}"
+        await self.complete[prefill].wait()
+        await self.timed("handshake", lambda: self._plan_all(prefill))
+        self.handshake_done.append(time.perf_counter() - self.t0)
+
+    async def _plan_all(self, prefill_gid: str) -> None:
+        eid = self.opened[prefill_gid].result()
+        body = {"tp_size": 1, "rank": 0, "compat": COMPAT}
+        plan = await self._call("POST", f"/engines/{eid}/handshake", body)
+        if [t["rank"] for t in plan["targets"]] != list(range(TP)):
+            raise RuntimeError(f"bad plan against {prefill_gid}: {plan['targets']}")
+
+
 class EtcdLean(LeanStorm):
     """The same key operations straight on etcd (aetcd), nothing checked."""
 
@@ -220,6 +260,11 @@ class EtcdLean(LeanStorm):
 
 def lean_http(url: str, ranks: int) -> dict[str, Any]:
     return asyncio.run(HttpLean(url, ranks).run())
+
+
+def lean_batched(url: str, ranks: int) -> dict[str, Any]:
+    row = asyncio.run(LeanBatched(url, ranks).run())
+    return row | {"requests_per_group": round(row["requests"] / row["groups"], 2)}
 
 
 def lean_etcd(endpoint: str, ranks: int) -> dict[str, Any]:

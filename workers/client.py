@@ -10,6 +10,9 @@ Policy, in one place:
 - Several registry URLs (replicas) may be given: a failed attempt moves to the next one at
   once, backoff sleeps only after a full round; the last URL that answered is tried first.
 - Error answers become the `ProblemError` subclass named by their `code`.
+- `https://` URLs are verified (`tls`: a `workers.tls.ClientTLS`, else the system trust
+  store); a TLS failure that retrying cannot fix is not retried: once every replica has
+  failed so, `RegistryTLSError` is raised (at once with one URL).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from workers.models import (
     RankExpiry,
     Role,
 )
+from workers.tls import ClientTLS, tls_failure
 
 DEFAULT_TIMEOUT_S = 10.0
 # Extra time granted to an attempt that asked the server to hold the answer (wait_ready).
@@ -67,6 +71,7 @@ class RegistryClient:
         backoff_base_s: float = 0.1,
         backoff_max_s: float = 2.0,
         transport: httpx.BaseTransport | None = None,
+        tls: ClientTLS | None = None,
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
@@ -83,7 +88,11 @@ class RegistryClient:
         headers = {"Accept": "application/json, application/problem+json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(headers=headers, transport=transport, trust_env=False)
+        # https:// URLs: verified against tls.ca (else the system store), never unverified.
+        self.tls = tls or ClientTLS()
+        self._http = httpx.Client(
+            headers=headers, transport=transport, trust_env=False, verify=self.tls.context
+        )
 
     @property
     def url(self) -> str:
@@ -127,6 +136,7 @@ class RegistryClient:
         attempt = 0
         last_exc: Exception | None = None
         last_problem: ProblemError | None = None
+        tls_errors: dict[str, Exception] = {}
         while True:
             index = (self._preferred + attempt) % n
             url = self.urls[index]
@@ -139,6 +149,11 @@ class RegistryClient:
                     method, url + path, json=json, params=params, timeout=timeout
                 )
             except httpx.TransportError as exc:
+                tls_error = tls_failure(exc, url, self.tls)
+                if tls_error is not None:  # a wrong CA, no client certificate: not weather
+                    tls_errors[url] = tls_error
+                    if len(tls_errors) == n:  # every replica refused: retrying cannot help
+                        raise tls_error from exc
                 last_exc = exc
             else:
                 if response.status_code < 400:

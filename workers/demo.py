@@ -31,6 +31,8 @@ from typing import IO, Any
 
 import httpx
 
+from workers.tls import VARS_OF_WORKERS, ClientTLS
+
 ROOT = Path(__file__).resolve().parents[1]
 _PRINT_LOCK = threading.Lock()
 
@@ -64,6 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="verified pulls per decode rank")
     p.add_argument("--engine-id-source", choices=["registry", "local"], default="registry")
     p.add_argument("--registry", default=None, help="use this registry instead of starting one")
+    p.add_argument("--ca", help="https --registry: PEM CA bundle (else WORKERS_REGISTRY_CA)")
+    p.add_argument("--cert", help="client certificate, mutual TLS (else WORKERS_REGISTRY_CERT)")
+    p.add_argument("--key", help="client key, mutual TLS (else WORKERS_REGISTRY_KEY)")
     p.add_argument("--timeout-s", type=float, default=240.0, help="the whole demo's deadline")
     p.add_argument("--workdir", default=None, help="keep reports and logs here")
     p.add_argument("--quiet", action="store_true", help="no worker progress lines")
@@ -279,6 +284,11 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
     try:
         if args.registry:
             url = args.registry
+            # The workers inherit the environment: they read these (workers.launch).
+            for name, value in zip(VARS_OF_WORKERS, (args.ca, args.cert, args.key), strict=True):
+                if value:
+                    os.environ[name] = value
+            ClientTLS.from_env()  # a bad path fails here, not in every rank
         else:
             registry, url = start_registry(workdir, args.quiet, deadline)
             procs.append(registry)

@@ -45,6 +45,7 @@ from workers.identity import (
 from workers.kv import KvLayout
 from workers.models import AgentItem, KvSpec, Role
 from workers.node import RankPublication, publish_per_node, verdict_of
+from workers.tls import ClientTLS
 
 EXIT_OK, EXIT_ERROR, EXIT_IDENTITY, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TRANSFER = range(6)
 
@@ -221,8 +222,10 @@ def start_rank(args: argparse.Namespace, role: str) -> RankSession:
 
 
 def client_factory(args: argparse.Namespace) -> Callable[[], RegistryClient]:
+    tls = ClientTLS.from_env()  # https:// URLs: CA, client cert and key
+
     def make() -> RegistryClient:
-        return RegistryClient(args.registry, token=args.token, timeout_s=args.timeout_s)
+        return RegistryClient(args.registry, token=args.token, timeout_s=args.timeout_s, tls=tls)
 
     return make
 

@@ -28,7 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("sqlite", "etcd")
+OVERLAYS = ("sqlite", "etcd", "tls")
 KUBERNETES_VERSION = "1.33"  # the minor the OpenAPI validation targets
 LWS_CRD = K8S / "vendor" / "lws-v0.10.0" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 LWS_PREFIX = "leaderworkerset.sigs.k8s.io"
@@ -87,6 +87,20 @@ def write_tokens(directory: Path, tokens: Mapping[str, str]) -> None:
     (secrets / "worker-token.env").write_text(f"token={tokens['worker']}\n")
 
 
+def write_tls(directory: Path) -> None:
+    """What the operator copies into overlays/tls/secrets: a certificate for the registry's
+    Service names, its key, and the CA that signed it (made now, with trustme)."""
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("engine-registry", "engine-registry.engine-registry.svc")
+    secrets = directory / "overlays" / "tls" / "secrets"
+    secrets.mkdir(parents=True, exist_ok=True)
+    cert.cert_chain_pems[0].write_to_path(str(secrets / "tls.crt"))
+    cert.private_key_pem.write_to_path(str(secrets / "tls.key"))
+    ca.cert_pem.write_to_path(str(secrets / "ca.crt"))
+
+
 def render(overlay: str, tmp: Path, tokens: Mapping[str, str]) -> list[dict[str, Any]]:
     """`kubectl kustomize deploy/k8s/overlays/<overlay>` with these tokens, as objects."""
     assert KUBECTL is not None
@@ -94,6 +108,7 @@ def render(overlay: str, tmp: Path, tokens: Mapping[str, str]) -> list[dict[str,
     if not tree.exists():
         shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("tokens", "worker-token.env"))
         write_tokens(tree, tokens)
+        write_tls(tree)
     run = subprocess.run(
         [KUBECTL, "kustomize", str(tree / "overlays" / overlay)],
         capture_output=True,

@@ -233,7 +233,7 @@ def test_registry_is_probed_exposed_and_reads_tokens_from_the_secret(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     objects = rendered[overlay]
-    kind = "StatefulSet" if overlay == "sqlite" else "Deployment"
+    kind = "Deployment" if overlay == "etcd" else "StatefulSet"
     workload = k8s.find(objects, kind, "engine-registry")
     (c,) = workload["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in c["env"]}
@@ -250,7 +250,7 @@ def test_registry_is_probed_exposed_and_reads_tokens_from_the_secret(
     )
     service_ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert service_ports["metrics"]["targetPort"] == "http"  # ServiceMonitor: port metrics
-    if overlay == "sqlite":
+    if overlay != "etcd":
         assert workload["spec"]["replicas"] == 1  # SQLite: one writer
         db = env["REGISTRY_STORE"].removeprefix("sqlite:///")
         claims = {t["metadata"]["name"] for t in workload["spec"]["volumeClaimTemplates"]}
@@ -301,7 +301,8 @@ def test_vllm_pods_carry_the_plugin_and_a_coherent_lws_topology(
         }
         for name in (ENV_URL, ENV_GROUP, ENV_TOKEN, ENV_ROLE):
             assert name in env, f"{where}: the plugin needs {name}"
-        assert value[ENV_URL] == f"http://engine-registry:{http_port}", where
+        scheme = "https" if overlay == "tls" else "http"
+        assert value[ENV_URL] == f"{scheme}://engine-registry:{http_port}", where
         assert "secretKeyRef" in env[ENV_TOKEN]["valueFrom"], f"{where}: token not from a Secret"
         # group id: the LWS name and group index, from the pod's LWS labels
         assert value[ENV_GROUP] == "$(LWS_NAME)-$(LWS_GROUP_INDEX)", where
@@ -385,3 +386,55 @@ def test_the_vllm_image_target_runs_a_vllm_the_plugin_supports_as_non_root() -> 
     users = [i.args for i in instructions if i.stage == vllm and i.keyword == "USER"]
     assert users, "the vllm target must not run as root"
     assert users[-1].split(":")[0] not in ("root", "0")
+
+
+def test_the_tls_overlay_serves_https_from_secrets_and_gives_the_clients_only_the_ca(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """overlays/tls: the registry's certificate and key come from a Secret and load into the
+    service's own TLS context; its probes use HTTPS; every vLLM container trusts the CA from a
+    Secret that holds no key, through ENGINE_REGISTRY_CA."""
+    from app.settings import Settings
+    from app.tls import server_context
+    from workers.tls import ClientTLS
+
+    objects = rendered["tls"]
+    workload = k8s.find(objects, "StatefulSet", "engine-registry")
+    pod = workload["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    files = {}
+    for name in ("REGISTRY_TLS_CERT", "REGISTRY_TLS_KEY"):
+        path = Path(env[name])
+        secret = volumes[mounts[str(path.parent)]]["secret"]["secretName"]
+        files[name] = tmp_path / path.name
+        files[name].write_text(k8s.secret_value(objects, secret, path.name))
+    settings = Settings(
+        host=env["REGISTRY_HOST"],
+        tokens="worker:" + "w" * 24,
+        tls_cert=files["REGISTRY_TLS_CERT"],
+        tls_key=files["REGISTRY_TLS_KEY"],
+    )
+    assert settings.tls_cert is not None
+    assert settings.tls_key is not None
+    server_context(settings.tls_cert, settings.tls_key)  # a chain and its key
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    checked = 0
+    for lws, vllm, role in lws_templates(objects):
+        vllm_env = {e["name"]: e.get("value") for e in vllm["env"]}
+        ca = Path(vllm_env["ENGINE_REGISTRY_CA"])
+        template = k8s.find(objects, "LeaderWorkerSet", lws)["spec"]["leaderWorkerTemplate"]
+        which = "leaderTemplate" if role == "leader" and "leaderTemplate" in template else ""
+        spec = template[which or "workerTemplate"]["spec"]
+        vllm_mounts = {m["mountPath"]: m["name"] for m in vllm["volumeMounts"]}
+        volume = {v["name"]: v for v in spec["volumes"]}[vllm_mounts[str(ca.parent)]]
+        secret = volume["secret"]["secretName"]
+        keys = next(o for o in objects if o["metadata"]["name"] == secret)["data"].keys()
+        assert set(keys) == {ca.name}, f"LeaderWorkerSet/{lws} {role}: {secret} has {keys}"
+        (tmp_path / ca.name).write_text(k8s.secret_value(objects, secret, ca.name))
+        ClientTLS(ca=tmp_path / ca.name)
+        checked += 1
+    assert checked == 3  # prefill leader and worker, decode

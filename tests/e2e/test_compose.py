@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 
@@ -40,7 +41,7 @@ from tests.e2e.compose_support import (
     load_services,
     read_env_file,
 )
-from tests.support.server import RegistryProcess, free_port
+from tests.support.server import RegistryProcess, TlsFiles, free_port
 
 COMPOSE_BIN = shutil.which("docker-compose")
 needs_compose = pytest.mark.skipif(
@@ -271,6 +272,130 @@ def test_registry_environment_is_accepted_by_the_service_settings(tmp_path: Path
             assert settings.host == "0.0.0.0", name
             assert service.environment["REGISTRY_TOKENS_FILE"] == "/run/secrets/registry_tokens"
             assert service.secrets == ["registry_tokens"]
+
+
+TLS_OVERLAY = DOCKER / "compose.tls.yaml"
+
+
+@needs_compose
+def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certificates(
+    tmp_path: Path,
+) -> None:
+    """docker/compose.tls.yaml over compose.yaml: valid for the compose parser; the registries
+    read their certificate, key and client CA from secrets, which load into the service's
+    own settings and TLS context; every worker has an https URL and its CA, certificate and
+    key from secrets too; the secrets' files are git-ignored."""
+    import trustme
+
+    from app.settings import Settings
+    from app.tls import server_context
+    from workers.tls import ClientTLS
+
+    assert COMPOSE_BIN is not None
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    run = subprocess.run(
+        [COMPOSE_BIN, "-f", str(COMPOSE_FILE), "-f", str(TLS_OVERLAY), "--profile", "ha",
+         "config"],
+        env={**clean, **OPERATOR_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    config = yaml.safe_load(run.stdout)
+    ca = trustme.CA()
+    issued = ca.issue_cert("registry", "registry-2")
+    client = ca.issue_cert("worker")
+    made = {  # what the operator puts in docker/secrets/tls, by secret
+        "registry_tls_cert": issued.cert_chain_pems[0],
+        "registry_tls_key": issued.private_key_pem,
+        "registry_ca": ca.cert_pem,
+        "registry_client_cert": client.cert_chain_pems[0],
+        "registry_client_key": client.private_key_pem,
+    }
+    for name, blob in made.items():
+        blob.write_to_path(str(tmp_path / name))
+        source = Path(config["secrets"][name]["file"])
+        assert source.is_relative_to(DOCKER / "secrets" / "tls"), source
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(source)], cwd=ROOT, check=False)
+        assert ignored.returncode == 0, f"{source} must never be committed"
+
+    def local(service: dict[str, Any], path: str) -> Path:
+        """A /run/secrets path of ``service``, as the file made for that secret."""
+        name = path.removeprefix("/run/secrets/")
+        assert name in {s["source"] for s in service["secrets"]}, f"{name} not mounted"
+        return tmp_path / name
+
+    for name in ("registry", "registry-2"):
+        service = config["services"][name]
+        env = service["environment"]
+        settings = Settings(
+            host=env["REGISTRY_HOST"],
+            tokens="worker:" + "w" * 24,
+            tls_cert=local(service, env["REGISTRY_TLS_CERT"]),
+            tls_key=local(service, env["REGISTRY_TLS_KEY"]),
+            tls_client_ca=local(service, env["REGISTRY_TLS_CLIENT_CA"]),
+        )
+        assert settings.tls_cert is not None
+        assert settings.tls_key is not None
+        context = server_context(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        assert context.verify_mode.name == "CERT_REQUIRED"
+        assert "registry_tokens" in {s["source"] for s in service["secrets"]}
+        assert "https://" in " ".join(service["healthcheck"]["test"]), name
+    for name in ("prefill-node0", "prefill-node1", "decode"):
+        service = config["services"][name]
+        env = service["environment"]
+        assert env["WORKERS_REGISTRY_URL"].startswith("https://registry:"), name
+        files = {k: str(local(service, env[k])) for k in env if k.startswith("WORKERS_REGISTRY_")
+                 and k.removeprefix("WORKERS_REGISTRY_") in ("CA", "CERT", "KEY")}  # fmt: skip
+        assert len(files) == 3, name
+        ClientTLS.from_env(None, files).context  # noqa: B018  loads all three
+
+
+def test_the_prefill_health_check_asks_an_https_registry_with_the_workers_certificate(
+    tmp_path: Path,
+) -> None:
+    """prefill-node0's health check (what decode waits on) with the overlay's variables,
+    against a real registry requiring client certificates: unhealthy until the group's engine
+    is ready, then healthy."""
+    import trustme
+
+    ca = trustme.CA()
+    files = {name: tmp_path / name for name in ("ca", "crt", "key", "client.crt", "client.key")}
+    ca.cert_pem.write_to_path(str(files["ca"]))
+    server, client = ca.issue_cert("127.0.0.1"), ca.issue_cert("worker")
+    server.cert_chain_pems[0].write_to_path(str(files["crt"]))
+    server.private_key_pem.write_to_path(str(files["key"]))
+    client.cert_chain_pems[0].write_to_path(str(files["client.crt"]))
+    client.private_key_pem.write_to_path(str(files["client.key"]))
+    tls = TlsFiles(files["crt"], files["key"], files["ca"], files["ca"],
+                   files["client.crt"], files["client.key"])  # fmt: skip
+    check = load_services(OPERATOR_ENV)["prefill-node0"].healthcheck
+    assert check is not None
+    argv = [sys.executable, *check[1:]]
+    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", tls=tls) as registry:
+        env = {
+            **os.environ,
+            "WORKERS_REGISTRY_URL": registry.url,
+            "WORKERS_REGISTRY_CA": str(files["ca"]),
+            "WORKERS_REGISTRY_CERT": str(files["client.crt"]),
+            "WORKERS_REGISTRY_KEY": str(files["client.key"]),
+        }
+        before = subprocess.run(argv, env=env, capture_output=True, timeout=20, check=False)
+        assert before.returncode == 1, before.stderr
+        with httpx.Client(base_url=registry.url, verify=tls.client_context()) as api:
+            engine = api.put(
+                "/tp-groups/prefill-0/engine",
+                json={"launch_id": "l-1", "tp_size": 1, "role": "prefill"},
+            ).json()
+            kv = {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
+                  "block_len": 1}  # fmt: skip
+            registered = api.put(
+                "/tp-groups/prefill-0/engine/agents/0",
+                json={"engine_id": engine["engine_id"], "agent_name": "rank-0",
+                      "agent_metadata": "bml4bA==", "host": "10.0.0.5", "kv": kv},
+            )  # fmt: skip
+            assert registered.status_code == 201, registered.text
+        ready = subprocess.run(argv, env=env, capture_output=True, timeout=20, check=False)
+        assert ready.returncode == 0, ready.stderr
 
 
 def test_tokens_come_only_from_the_secret_file_or_the_environment() -> None:

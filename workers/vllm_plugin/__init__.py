@@ -22,6 +22,8 @@ Environment:
     ENGINE_REGISTRY_GROUP    the TP group id (required when active); "-dp{rank}" is appended
                              per data-parallel rank
     ENGINE_REGISTRY_TOKEN    bearer token with the worker role (optional)
+    ENGINE_REGISTRY_CA       PEM CA bundle for https:// URLs (default: the system store)
+    ENGINE_REGISTRY_CERT, ENGINE_REGISTRY_KEY  client certificate and key (mutual TLS)
     ENGINE_REGISTRY_ROLE     prefill | decode | both (default from kv_role: kv_producer ->
                              prefill, kv_consumer -> decode, kv_both -> both)
     ENGINE_REGISTRY_TTL_S    agent lease in seconds (default 30; renewed every ttl/3)

@@ -34,6 +34,7 @@ from workers.errors import (
 )
 from workers.identity import EngineIdentity, sync_engine_id
 from workers.models import Role
+from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError
 from workers.vllm_plugin import ENV_URL, SUPPORTED_VLLM_VERSIONS
 from workers.vllm_plugin.compat import compat_of, vllm_version
 from workers.vllm_plugin.registration import Registration
@@ -71,6 +72,7 @@ class Settings:
     timeout_s: float
     launch_id: str
     refuse_exit_s: float = 10.0
+    tls: ClientTLS = field(default_factory=lambda: ClientTLS.from_env(VARS_OF_PLUGIN, {}))
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -93,6 +95,10 @@ class Settings:
             role = "decode"
         elif role_name == "both":
             role = "both"
+        try:  # ENGINE_REGISTRY_CA, ENGINE_REGISTRY_CERT, ENGINE_REGISTRY_KEY
+            tls = ClientTLS.from_env(VARS_OF_PLUGIN)
+        except TLSConfigError as exc:
+            raise PluginConfigError(f"engine-registry plugin: {exc}") from None
         return cls(
             urls=urls,
             group=group,
@@ -102,6 +108,7 @@ class Settings:
             timeout_s=float(os.environ.get(ENV_TIMEOUT, "30")),
             launch_id=os.environ[ENV_LAUNCH],
             refuse_exit_s=float(os.environ.get(ENV_REFUSE_EXIT, "10")),
+            tls=tls,
         )
 
 
@@ -177,7 +184,9 @@ def install() -> None:
 def check_token(settings: Settings) -> None:
     """A token the registry refuses stops the launch in its first process, before vLLM loads
     anything (the workers would refuse too, with the same cause, minutes later)."""
-    with RegistryClient(settings.urls, token=settings.token, timeout_s=5.0) as client:
+    with RegistryClient(
+        settings.urls, token=settings.token, timeout_s=5.0, tls=settings.tls
+    ) as client:
         try:
             client.request("GET", f"/tp-groups/{settings.group}/engine")
         except (Unauthorized, Forbidden) as exc:
@@ -194,7 +203,9 @@ def check_token(settings: Settings) -> None:
 
 
 def _client(settings: Settings) -> RegistryClient:
-    return RegistryClient(settings.urls, token=settings.token, timeout_s=settings.timeout_s)
+    return RegistryClient(
+        settings.urls, token=settings.token, timeout_s=settings.timeout_s, tls=settings.tls
+    )
 
 
 def _role(config: Any, settings: Settings) -> Role:
