@@ -128,11 +128,16 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             request.scope,
         )
 
-    # Innermost first (each add wraps the ones before): the hot routes' fast path in front of
-    # the router; the body limit; auth before any parsing; ids and metrics around everything.
-    if settings.fast_path:
-        app.add_middleware(FastPath, routes=[*tp_groups.router.routes, *engines.router.routes])
+    # Innermost first (each add wraps the ones before): the body limit in front of the router;
+    # the hot routes' fast path (which reads bodies within the same limit and passes anything
+    # larger on); auth before any parsing; ids and metrics around everything.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    if settings.fast_path:
+        app.add_middleware(
+            FastPath,
+            routes=[*tp_groups.router.routes, *engines.router.routes],
+            limit=settings.max_body_bytes,
+        )
     app.add_middleware(AuthMiddleware, source=tokens)
     app.add_middleware(
         ObserveMiddleware,

@@ -11,14 +11,15 @@ Workers send these few requests thousands of times a second at fleet scale:
     POST /tp-groups/{group_id}/engine/agents/{rank}/heartbeat
     POST /engines/{engine_id}/handshake
 
-This layer, inside the auth, size and observability middleware and in front of FastAPI's
-router, answers them when the request is valid: the path parameters match the same patterns,
-the body parses with the same limits (``app.jsonbody``) and validates against the same
-pydantic request models. Anything else (a query string, a body that does not validate, any
-other route) goes on to FastAPI untouched, which answers it as before: error answers, their
-order, and ``/openapi.json`` (generated from the FastAPI routes, which still declare these
-four) are FastAPI's. Answers are serialized by the same models; registry errors become the
-same problem+json. ``REGISTRY_FAST_PATH=false`` turns the layer off.
+This layer, inside the auth and observability middleware and in front of the body limit and
+FastAPI's router, answers them when the request is valid (its body within the same limit: a
+larger one goes on untouched, for the body limit to answer 413): the path parameters match
+the same patterns, the body parses with the same limits (``app.jsonbody``) and validates
+against the same pydantic request models. Anything else (a query string, a body that does
+not validate, any other route) goes on to FastAPI untouched, which answers it as before:
+error answers, their order, and ``/openapi.json`` (generated from the FastAPI routes, which
+still declare these four) are FastAPI's. Answers are serialized by the same models; registry
+errors become the same problem+json. ``REGISTRY_FAST_PATH=false`` turns the layer off.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import RegistryError
 from app.jsonbody import parse
-from app.middleware import TOO_LARGE, replay
+from app.middleware import replay
 from app.problems import send_problem
 from app.registry import Registry
 from app.schemas import (
@@ -79,8 +80,9 @@ def _body(model: type[Any], raw: bytes | None) -> Any:
 
 
 class FastPath:
-    def __init__(self, app: ASGIApp, routes: list[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, routes: list[BaseRoute], limit: int) -> None:
         self.app = app
+        self.limit = limit
         by_path = {getattr(r, "path", ""): r for r in routes}
         self.get_engine = (self._get_engine, by_path["/tp-groups/{group_id}/engine"])
         self.open_engine = (self._open_engine, by_path["/tp-groups/{group_id}/engine"])
@@ -121,10 +123,10 @@ class FastPath:
         handler, route = entry
         raw: bytes | None = None
         if scope["method"] != "GET":
-            if scope.get("state", {}).get(TOO_LARGE):
-                await self.app(scope, receive, send)
+            raw = await _read(receive, self.limit)
+            if raw is None or len(raw) > self.limit:  # disconnected, or for the body limit
+                await self.app(scope, _replay(raw, receive), send)
                 return
-            raw = await _read(receive)
         try:
             answer = await handler(scope, parts, raw)
         except _Fallback:
@@ -190,16 +192,20 @@ class FastPath:
         return 200, await self._registry(scope).handshake(engine_id, body)
 
 
-async def _read(receive: Receive) -> bytes:
+async def _read(receive: Receive, limit: int) -> bytes | None:
+    """The body, or as much of it as passes ``limit`` (the caller hands that on); None when the
+    client went away."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return None
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit or not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _replay(raw: bytes | None, receive: Receive) -> Receive:
