@@ -64,7 +64,8 @@ def _ratios(s: dict[str, Any]) -> list[str]:
 
 def _storm(s: dict[str, Any]) -> list[str]:
     lines = [
-        f"### Launch storm (TP {s['tp']}, half prefill / half decode groups, heartbeats every "
+        f"### The heavier launch storm (4-256 KiB agents; TP {s['tp']}, half prefill / half "
+        "decode groups, heartbeats every "
         f"{s['heartbeat_s']} s; p50 / p99 ms per operation, client-side)",
         "",
         "| system | ranks | ready (s) | ranks/s to ready | all handshakes (s) | req/s | "
@@ -165,17 +166,19 @@ def _transfer(t: dict[str, Any]) -> list[str]:
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     """(target, figure, ratio to target, met) for every target the run can judge."""
-    out: list[tuple[str, str, str, bool | None]] = []
+    from bench import report_lean
+
+    out: list[tuple[str, str, str, bool | None]] = report_lean.targets(results.get("lean", {}))
     s = results.get("storm", {})
     row = s.get("registry_sqlite", {}).get("1024")
     if row and "failed" not in row:
         out.append(
-            ("1,024 ranks ready on SQLite ≤ 2 s", f"{row['ready_s']:.2f} s",
+            ("heavy storm: 1,024 ranks ready on SQLite ≤ 2 s", f"{row['ready_s']:.2f} s",
              f"{2 / row['ready_s']:.2f}x of target", row["ready_s"] <= 2.0)
         )  # fmt: skip
         p99 = row["target_ops_p99_ms"]
         out.append(
-            ("per-op p99 ≤ 50 ms at 1,024 ranks (SQLite)", f"{p99:.1f} ms (worst op)",
+            ("heavy storm: per-op p99 ≤ 50 ms at 1,024 ranks (SQLite)", f"{p99:.1f} ms (worst op)",
              f"{50 / p99:.2f}x of target", p99 <= 50.0)
         )  # fmt: skip
     paced = s.get("registry_sqlite_paced", {}).get("1024")
@@ -190,7 +193,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
         if base and "failed" not in base and "failed" not in ours:
             ratio = ours["ranks_per_s"] / base["ranks_per_s"]
             out.append(
-                (f"storm ranks/s ≥ etcd direct ({int(n):,} ranks)",
+                (f"heavy storm: ranks/s ≥ etcd direct ({int(n):,} ranks)",
                  f"{ours['ranks_per_s']:,.0f} vs {base['ranks_per_s']:,.0f} ranks/s",
                  f"ratio {ratio:.2f}", ratio >= 1.0)
             )  # fmt: skip
@@ -224,7 +227,7 @@ def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, 
     if small and big and "failed" not in small and "failed" not in big:
         ratio = big["ranks_per_s"] / small["ranks_per_s"]
         out.append(
-            ("4,096 ranks on SQLite: no errors, ranks/s within 10% of 1,024",
+            ("heavy storm: 4,096 ranks on SQLite, no errors, ranks/s within 10% of 1,024",
              f"{big['ranks_per_s']:,.0f} vs {small['ranks_per_s']:,.0f} ranks/s, errors "
              f"{sum(big['errors'].values())}", f"ratio {ratio:.2f}",
              ratio >= 0.9 and not big["errors"])
@@ -232,14 +235,14 @@ def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, 
     if small and "failed" not in small and small.get("server_cpu_s"):
         ms = small["server_cpu_s"] / small["requests"] * 1000
         out.append(
-            ("server CPU per request ≤ 0.35 ms (storm mix, 1,024 ranks, SQLite)", f"{ms:.2f} ms",
+            ("heavy storm: server CPU per request ≤ 0.35 ms (1,024 ranks, SQLite)", f"{ms:.2f} ms",
              f"{0.35 / ms:.2f}x of target", ms <= 0.35)
         )  # fmt: skip
     batched = s.get("registry_sqlite_batched", {}).get("1024")
     if batched and "failed" not in batched:
         per_group = batched["requests"] / batched["groups"]
         out.append(
-            ("batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
+            ("heavy storm, batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
              f"{per_group:.1f} per group, ready {batched['ready_s']:.2f} s",
              f"{0.5 / batched['ready_s']:.2f}x of target",
              per_group <= 4 and batched["ready_s"] <= 0.5)
@@ -253,7 +256,7 @@ def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, 
             else 0.0
         )
         out.append(
-            ("etcd store: 4,096 ranks, 0 errors, ≥ 0.5x the SQLite store's ranks/s",
+            ("heavy storm: etcd store, 4,096 ranks, 0 errors, ≥ 0.5x the SQLite store's ranks/s",
              etcd4k.get("failed", f"{etcd4k.get('ranks_per_s', 0):,.0f} ranks/s")[:80],
              f"ratio {ratio:.2f}", ok and ratio >= 0.5)
         )  # fmt: skip
@@ -324,6 +327,10 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
         for name, figure, ratio, met in rows:
             lines.append(f"| {name} | {figure} | {ratio} | {'yes' if met else 'no'} |")
         lines.append("")
+    if "lean" in results:
+        from bench import report_lean
+
+        lines += report_lean.table(results["lean"])
     if "storm" in results:
         lines += _storm(results["storm"])
         lines += _ratios(results["storm"])

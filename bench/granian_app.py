@@ -1,0 +1,17 @@
+"""The registry as an app for Granian (``granian --interface asgi --factory
+bench.granian_app:app``), with the service's settings from its environment (``REGISTRY_*``):
+``bench/servers.py`` measures it against the registry's own uvicorn server."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+
+def app() -> FastAPI:
+    from app import logs
+    from app.main import create_app
+    from app.settings import Settings
+
+    settings = Settings()
+    logs.configure(settings.log_level)
+    return create_app(settings)
