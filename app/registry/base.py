@@ -175,16 +175,7 @@ class RegistryBase:
     async def _current(self, gid: str, rank: int, engine_id: str) -> GroupState:
         state = await self._group(gid)
         if rank >= state.engine.tp_size:
-            raise InvalidRequest(
-                f"rank {rank} is outside group {gid!r} of tp_size {state.engine.tp_size}.",
-                errors=[
-                    {
-                        "loc": ["path", "rank"],
-                        "msg": f"must be below tp_size {state.engine.tp_size}",
-                        "type": "less_than",
-                    }
-                ],
-            )
+            raise outside_group(gid, rank, state.engine.tp_size, ["path", "rank"])
         if engine_id != state.engine.engine_id:
             raise await self._mismatch(state, rank, engine_id)
         return state
@@ -216,3 +207,13 @@ class RegistryBase:
             sum(sum(r < s.engine.tp_size for r in s.agents) for s in states)
         )
         return states
+
+
+def outside_group(
+    gid: str, rank: int, tp_size: int, loc: list[str | int], where: str = "", after: str = ""
+) -> InvalidRequest:
+    """The 422 for a rank at or past the group's tp_size (``loc``: where the rank was given)."""
+    return InvalidRequest(
+        f"rank {rank}{where} is outside group {gid!r} of tp_size {tp_size}{after}.",
+        errors=[{"loc": loc, "msg": f"must be below tp_size {tp_size}", "type": "less_than"}],
+    )

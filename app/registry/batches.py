@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
-from app.errors import InvalidRequest, StoreUnavailable
+from app.errors import StoreUnavailable
 from app.registry.agents import AgentsMixin, _check_reachable
+from app.registry.base import outside_group
 from app.registry.records import (
     MAX_ATTEMPTS,
     AgentRecord,
@@ -38,17 +39,10 @@ class BatchesMixin(AgentsMixin):
             engine = state.engine
             for i, item in enumerate(req.agents):
                 if item.rank >= engine.tp_size:
-                    raise InvalidRequest(
-                        f"rank {item.rank} (agents[{i}]) is outside group {gid!r} of tp_size "
-                        f"{engine.tp_size}; nothing of the batch was registered.",
-                        errors=[
-                            {
-                                "loc": ["body", "agents", i, "rank"],
-                                "msg": f"must be below tp_size {engine.tp_size}",
-                                "type": "less_than",
-                            }
-                        ],
-                    )
+                    raise outside_group(
+                        gid, item.rank, engine.tp_size, ["body", "agents", i, "rank"],
+                        where=f" (agents[{i}])", after="; nothing of the batch was registered",
+                    )  # fmt: skip
                 if item.engine_id != engine.engine_id:
                     raise await self._mismatch(state, item.rank, item.engine_id)
             lease = await self.store.grant_lease(ttl_s)
@@ -97,16 +91,7 @@ class BatchesMixin(AgentsMixin):
         state = await self._group(gid)
         for rank in ranks:
             if rank >= state.engine.tp_size:
-                raise InvalidRequest(
-                    f"rank {rank} is outside group {gid!r} of tp_size {state.engine.tp_size}.",
-                    errors=[
-                        {
-                            "loc": ["body", "ranks"],
-                            "msg": f"rank {rank} must be below tp_size {state.engine.tp_size}",
-                            "type": "less_than",
-                        }
-                    ],
-                )
+                raise outside_group(gid, rank, state.engine.tp_size, ["body", "ranks"])
         if engine_id != state.engine.engine_id:
             raise await self._mismatch(state, ranks[0], engine_id)
         absent = [r for r in ranks if r not in state.agents]
