@@ -19,13 +19,18 @@ The HTTP server itself (``app/server.py``) answers a few problems before the app
 request: 400 bad_http_request, 408 request_timeout, 431 headers_too_large and 503
 too_many_connections.
 
-Store backends translate their driver's errors at the boundary
-(``raise StoreUnavailable(...) from exc``); nothing backend-specific leaves the store.
+Store backends translate their driver's errors at their boundary into the storage-level
+``app.store.Unavailable`` (``raise Unavailable(...) from exc``): nothing backend-specific,
+and nothing of HTTP, leaves the store. The edge (FastAPI's handlers, the fast path) answers
+it as ``StoreUnavailable``, which is itself an ``Unavailable``, so code that retries or
+degrades catches one class whether the store or the domain gave up.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from app.store.base import Unavailable
 
 PROBLEM_TYPE_BASE = "urn:engine-registry:problem:"
 
@@ -129,7 +134,14 @@ class NotReady(RegistryError):
     title = "Target ranks have no live agent"
 
 
-class StoreUnavailable(RegistryError):
+class StoreUnavailable(RegistryError, Unavailable):
     status = 503
     code = "store_unavailable"
     title = "The registry's store does not answer"
+
+
+def at_edge(error: RegistryError | Unavailable) -> RegistryError:
+    """The problem to answer: a registry error as it is, a store's ``Unavailable`` as 503."""
+    if isinstance(error, RegistryError):
+        return error
+    return StoreUnavailable(str(error))

@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from app.errors import InvalidRequest, RegistryError, StoreUnavailable
+from app.errors import InvalidRequest, RegistryError
 from app.metrics import Metrics
-from app.store import Delete, Put, Store
+from app.store import Delete, Put, Store, Unavailable
 
 log = logging.getLogger("app.events")
 
@@ -226,7 +226,7 @@ class EventLog:
                 ]
                 await self.store.txn([], puts)
             await self._trim(len(batch))
-        except StoreUnavailable as exc:
+        except Unavailable as exc:
             log.warning(
                 "events not written yet, kept for the next flush", extra={"error": str(exc)}
             )

@@ -15,14 +15,21 @@ from starlette.responses import Response
 from app.api.fastpath import FastPath
 from app.api.routes import engines, health, status_page, tp_groups
 from app.auth import AuthMiddleware
-from app.errors import HttpProblem, InvalidRequest, NotFound, PayloadTooLarge, RegistryError
+from app.errors import (
+    HttpProblem,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    RegistryError,
+    at_edge,
+)
 from app.jsonbody import JsonLimitError
 from app.metrics import Metrics
 from app.middleware import TOO_LARGE, BodyLimitMiddleware, ObserveMiddleware
 from app.problems import field_errors, problem_response
 from app.registry import Registry
 from app.settings import Settings
-from app.store import Store, create_store
+from app.store import Store, Unavailable, create_store
 from app.tokens import TokenSource
 from app.tokens import router as admin_router
 
@@ -75,6 +82,10 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     @app.exception_handler(RegistryError)
     async def on_registry_error(request: Request, exc: RegistryError) -> Response:
         return problem_response(exc, request.scope)
+
+    @app.exception_handler(Unavailable)
+    async def on_store_unavailable(request: Request, exc: Unavailable) -> Response:
+        return problem_response(at_edge(exc), request.scope)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.errors import RegistryError
+from app.errors import RegistryError, at_edge
 from app.jsonbody import parse
 from app.middleware import replay
 from app.problems import send_problem
@@ -45,6 +45,7 @@ from app.schemas import (
     OpenEngineRequest,
     RegisterAgentRequest,
 )
+from app.store import Unavailable
 
 _GROUP = re.compile(GROUP_ID_PATTERN)
 _JSON = [(b"content-type", b"application/json")]
@@ -131,9 +132,9 @@ class FastPath:
             answer = await handler(scope, parts, raw)
         except _Fallback:
             answer = None
-        except RegistryError as exc:
+        except (RegistryError, Unavailable) as exc:
             scope["route"] = route
-            await send_problem(send, exc, scope)
+            await send_problem(send, at_edge(exc), scope)
             return
         if answer is None:
             await self.app(scope, _replay(raw, receive), send)

@@ -28,7 +28,7 @@ from app.schemas import (
     Engine,
     OpenEngineRequest,
 )
-from app.store import Compare, Delete, Put
+from app.store import Compare, Delete, Put, Unavailable
 
 
 class EnginesMixin(RegistryBase):
@@ -100,7 +100,7 @@ class EnginesMixin(RegistryBase):
         for lease in leases:
             try:
                 await self.store.revoke_lease(lease)
-            except StoreUnavailable:
+            except Unavailable:
                 return
 
     @staticmethod

@@ -22,6 +22,7 @@ from app.store.base import (
     Store,
     StoreOptions,
     TxnResult,
+    Unavailable,
 )
 from app.store.etcd_config import EtcdAccess, redact
 
@@ -37,6 +38,7 @@ __all__ = [
     "Store",
     "StoreOptions",
     "TxnResult",
+    "Unavailable",
     "check_store_url",
     "create_store",
 ]

@@ -11,7 +11,7 @@ SQLite backend a faithful emulation:
   unless refreshed; an expired lease's entries are gone for every reader;
 - ``wait`` blocks (with a deadline) until something under a prefix changes after a revision.
 
-Every method raises :class:`app.errors.StoreUnavailable` when the backend does not answer
+Every method raises :class:`Unavailable` when the backend does not answer
 within the operator's bound, and never anything backend-specific.
 """
 
@@ -25,6 +25,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from app.store.etcd_config import EtcdAccess
+
+
+class Unavailable(Exception):
+    """The store cannot answer now, within its deadline (a stalled or full disk, a lost etcd
+    quorum, a refused connection): the caller may retry later. A storage-level error, with
+    nothing of HTTP in it; the service's edge answers it as ``503 store_unavailable``
+    (``app.errors.StoreUnavailable``). Its message names the cause and the fix."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +137,7 @@ class Store(ABC):
 
     @abstractmethod
     async def ping(self) -> None:
-        """Raise StoreUnavailable unless the store answers a trivial read."""
+        """Raise Unavailable unless the store answers a trivial read."""
 
     @abstractmethod
     async def close(self) -> None: ...

@@ -18,7 +18,7 @@ Every call has one deadline, ``timeout_s``, shared among the endpoints, the pref
 each with a fair share of the time left, carried by gRPC (it bounds etcd's answer, not the
 turns a saturated process takes to read it); at most ``max_in_flight`` calls are in flight,
 the rest queue within the same deadline (``etcd_cluster``). Whatever goes wrong surfaces as
-:class:`StoreUnavailable`, never as a hang. Keys live under ``/{prefix}/``.
+:class:`Unavailable`, never as a hang. Keys live under ``/{prefix}/``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from app.errors import StoreUnavailable
-from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.etcd_cluster import Cluster
 from app.store.etcd_config import EtcdAccess, parse_url
 from app.store.etcd_state import LeaseBook, WatchHub
@@ -76,7 +75,7 @@ class EtcdStore(Store):
         self._hubs: dict[str, WatchHub] = {}
         self._waiters = 0
         self._prober: asyncio.Task[None] | None = None
-        self._trouble: asyncio.Future[StoreUnavailable] | None = None
+        self._trouble: asyncio.Future[Unavailable] | None = None
         self._closed = False
 
     @classmethod
@@ -117,8 +116,8 @@ class EtcdStore(Store):
         pending = self._reads.get((key, end)) or self._send_read(key, end)
         try:
             return await asyncio.shield(pending)
-        except StoreUnavailable as exc:
-            raise StoreUnavailable(exc.detail) from exc  # each reader its own
+        except Unavailable as exc:
+            raise Unavailable(exc.detail) from exc  # each reader its own
 
     def _send_read(self, key: bytes, end: bytes) -> asyncio.Future[Any]:
         request = rpc.RangeRequest(key=key, range_end=end)
@@ -272,7 +271,7 @@ class EtcdStore(Store):
                 either: list[asyncio.Future[Any]] = [hub.next_change(prefix), trouble, hub.dead]
                 await asyncio.wait(either, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
                 if trouble.done():
-                    raise StoreUnavailable(trouble.result().detail)
+                    raise Unavailable(trouble.result().detail)
                 if hub.dead.done():  # the stream broke (a member died): re-read via failover
                     await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
                     return True
@@ -327,7 +326,7 @@ class EtcdStore(Store):
             del self._hubs[segment]
         hub.end()
 
-    def _watch_health(self) -> asyncio.Future[StoreUnavailable]:
+    def _watch_health(self) -> asyncio.Future[Unavailable]:
         """The future a failed probe resolves, with a prober running to resolve it."""
         if self._trouble is None or self._trouble.done():
             self._trouble = asyncio.get_running_loop().create_future()
@@ -343,7 +342,7 @@ class EtcdStore(Store):
             await asyncio.sleep(self._probe_interval_s)
             try:
                 await self._call("read", self._head, slots=0)
-            except StoreUnavailable as exc:
+            except Unavailable as exc:
                 if self._trouble is not None and not self._trouble.done():
                     self._trouble.set_result(exc)
                 return

@@ -1,6 +1,6 @@
 """Calls to an etcd cluster: one deadline per call shared among the members, the preferred
 first, failing over round after round; at most ``max_in_flight`` calls in flight. Whatever
-goes wrong surfaces as :class:`StoreUnavailable` (:class:`EtcdAccessError` when etcd refuses
+goes wrong surfaces as :class:`Unavailable` (:class:`EtcdAccessError` when etcd refuses
 this replica: TLS, user, password, permission), never as a hang."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import aetcd
 from aetcd import rpc
 
-from app.errors import StoreUnavailable
+from app.store.base import Unavailable
 from app.store.etcd_config import EtcdAccess
 from app.store.etcd_conn import EtcdAccessError, EtcdAuthError, Member, check_members
 
@@ -77,7 +77,7 @@ class Cluster:
         ``fn`` must be safe to repeat: an attempt that timed out may have been applied (a
         repeated compare-and-set then loses, and its caller re-reads)."""
         if self._closed:
-            raise StoreUnavailable("The etcd store is closed (the service is shutting down).")
+            raise Unavailable("The etcd store is closed (the service is shutting down).")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         n = len(self.members)
@@ -134,8 +134,8 @@ class Cluster:
                 self._slots.release()
         raise self._unavailable(what, failures[-n:], len(failures))
 
-    def _unavailable(self, what: str, last: list[str], tries: int = 0) -> StoreUnavailable:
-        return StoreUnavailable(
+    def _unavailable(self, what: str, last: list[str], tries: int = 0) -> Unavailable:
+        return Unavailable(
             f"etcd did not answer the {what} within {self._timeout_s:g} s ({tries} tries; "
             f"last: {'; '.join(last) or 'no time left'}). Check that a majority of the etcd "
             "members is up and reachable from this replica, and that etcd keeps up (its disk "
@@ -143,8 +143,8 @@ class Cluster:
         )
 
     @staticmethod
-    def _refused(what: str, why: str) -> StoreUnavailable:
-        return StoreUnavailable(
+    def _refused(what: str, why: str) -> Unavailable:
+        return Unavailable(
             f"etcd refused the {what}: {why}. If it says the request is too large, raise "
             "etcd's --max-request-bytes above the largest agent metadata blob."
         )

@@ -23,14 +23,14 @@ import aetcd
 import grpc  # type: ignore[import-untyped]
 from aetcd import rpc, watcher
 
-from app.errors import StoreUnavailable
+from app.store.base import Unavailable
 from app.store.etcd_config import EtcdAccess
 
 log = logging.getLogger("app.store")
 T = TypeVar("T")
 
 
-class EtcdAccessError(StoreUnavailable):
+class EtcdAccessError(Unavailable):
     """etcd refuses this replica (TLS, user, password, permissions): a configuration problem
     that waiting does not fix. It stops the start; later, calls answer 503 with it."""
 

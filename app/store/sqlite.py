@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.errors import StoreUnavailable
-from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult
+from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
 from app.store.sqlite_thread import FileThread
 from app.store.waiters import Waiters
@@ -98,7 +97,7 @@ class SqliteStore(Store):
         """Load the file (refusing one another process serves) and start the lease sweeper."""
         try:
             await self._recover()
-        except StoreUnavailable as exc:
+        except Unavailable as exc:
             if isinstance(exc.__cause__, FileLocked):
                 raise exc.__cause__ from None
             log.error("SQLite store not loaded; answering 503", extra={"error": exc.detail})
@@ -123,21 +122,21 @@ class SqliteStore(Store):
     async def _recover(self) -> None:
         """(Re)load memory from the file: at start, and after a failed commit."""
         if self._closed:
-            raise StoreUnavailable("The SQLite store is closed (the service is shutting down).")
+            raise Unavailable("The SQLite store is closed (the service is shutting down).")
         if self._recovering is None:
             self._recovering = asyncio.Lock()
         async with self._recovering:
             if self._loaded and self._failure is None:
                 return
             if self._failure is not None and self._failure.permanent:
-                raise StoreUnavailable(self._failure.detail)
+                raise Unavailable(self._failure.detail)
             try:
                 loaded = await self._thread.call(self._thread.file.load, self._timeout_s)
             except FileFailure as exc:
                 self._fail(exc)
-                raise StoreUnavailable(exc.detail) from exc
+                raise Unavailable(exc.detail) from exc
             except FileLocked as exc:
-                raise StoreUnavailable(str(exc)) from exc
+                raise Unavailable(str(exc)) from exc
             recovered = self._failure is not None
             self._install(loaded)
             if recovered:
@@ -239,12 +238,12 @@ class SqliteStore(Store):
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0.0))
         except TimeoutError:
-            raise StoreUnavailable(
+            raise Unavailable(
                 f"SQLite store {self.path} did not commit within {self._timeout_s:g} s "
                 "(a stalled or overloaded disk); the change may still take effect."
             ) from None
         except FileFailure as exc:
-            raise StoreUnavailable(exc.detail) from exc
+            raise Unavailable(exc.detail) from exc
 
     async def _settled(self, keys: Iterable[str]) -> None:
         """Wait until none of ``keys`` has a change on its way to the file."""
@@ -261,7 +260,7 @@ class SqliteStore(Store):
 
     def _writable(self) -> None:
         if self._inflight >= self._max_pending:
-            raise StoreUnavailable(
+            raise Unavailable(
                 f"SQLite store {self.path}: {self._inflight} changes wait for the disk "
                 "(stalled or too slow); refusing more until it catches up."
             )
@@ -409,7 +408,7 @@ class SqliteStore(Store):
                     await self.purge_expired()
             except FileFailure as exc:
                 self._fail(exc)
-            except StoreUnavailable:
+            except Unavailable:
                 continue
 
     # -- waiting -----------------------------------------------------------------------------
@@ -435,7 +434,7 @@ class SqliteStore(Store):
             await self._thread.call(self._thread.file.probe, self._timeout_s)
         except FileFailure as exc:
             self._fail(exc)
-            raise StoreUnavailable(exc.detail) from exc
+            raise Unavailable(exc.detail) from exc
 
     async def close(self) -> None:
         if self._closed:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from app.errors import StoreUnavailable
+from app.store.base import Unavailable
 from app.store.sqlite_file import Change, FileFailure, SqliteFile
 
 T = TypeVar("T")
@@ -69,7 +69,7 @@ class FileThread:
         try:
             result: T = await asyncio.wait_for(asyncio.shield(self._submit("call", fn)), timeout_s)
         except TimeoutError:
-            raise StoreUnavailable(
+            raise Unavailable(
                 f"SQLite store {self.file.path} did not answer within {timeout_s:g} s "
                 "(a stalled disk, or a long queue of writes ahead)."
             ) from None
@@ -127,7 +127,7 @@ class FileThread:
         if self._thread is None:
             self.file.close()
             return
-        with contextlib.suppress(StoreUnavailable, FileFailure):
+        with contextlib.suppress(Unavailable, FileFailure):
             await self.call(self.file.close, timeout_s)
         self._queue.put(None)
         self._thread.join(timeout=timeout_s)

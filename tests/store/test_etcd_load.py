@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.errors import StoreUnavailable
+from app.store import Unavailable as StoreUnavailable
 from app.store import Put
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.errors import StoreUnavailable
+from app.store import Unavailable as StoreUnavailable
 from app.store import Put, Store
 from tests.store.conftest import shared_etcd
 from tests.support.etcd import SKIP_REASON, etcd_available

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from app.api.deps import RegistryDep
-from app.errors import StoreUnavailable
 from app.metrics import CONTENT_TYPE
+from app.store import Unavailable
 
 router = APIRouter(tags=["health"])
 
@@ -20,7 +20,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(registry: RegistryDep) -> dict[str, str]:
     try:
         await registry.store.ping()
-    except StoreUnavailable:
+    except Unavailable:
         registry.metrics.store_up.set(0)
         raise
     registry.metrics.store_up.set(1)
@@ -32,6 +32,6 @@ async def metrics(registry: RegistryDep) -> Response:
     try:
         await registry.refresh_gauges()
         registry.metrics.store_up.set(1)
-    except StoreUnavailable:
+    except Unavailable:
         registry.metrics.store_up.set(0)
     return Response(registry.metrics.render(), media_type=CONTENT_TYPE)
