@@ -33,6 +33,7 @@ from typing import Any
 
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
+from app.store.sqlite_pending import Pending
 from app.store.sqlite_thread import FileThread
 from app.store.waiters import Waiters
 
@@ -62,7 +63,6 @@ class SqliteStore(Store):
         self.description = f"sqlite:///{self.path}"
         self._timeout_s = timeout_s
         self._sweep_interval_s = sweep_interval_s
-        self._max_pending = max_pending
         synchronous = synchronous.upper()
         if synchronous not in {"NORMAL", "FULL", "EXTRA"}:
             raise ValueError(f"synchronous must be NORMAL, FULL or EXTRA, not {synchronous!r}")
@@ -75,13 +75,7 @@ class SqliteStore(Store):
         self._expiry: list[tuple[float, int]] = []  # heap; stale items are skipped
         self._revision = 0
         self._next_lease = 1
-        # Keys whose latest change is not yet durable: key -> (sequence, its commit).
-        self._pending: dict[str, tuple[int, asyncio.Future[None]]] = {}
-        # For each "directory" (a key's prefix up to a "/") the latest change under it on its
-        # way to the file: commits land in order, so when it is durable all earlier ones are.
-        self._pending_dirs: dict[str, tuple[int, asyncio.Future[None]]] = {}
-        self._inflight = 0
-        self._seq = 0
+        self._pending = Pending(self.path, timeout_s, max_pending)
         # Leases renewed since their expiry was last written (see refresh_lease).
         self._dirty: set[int] = set()
         self._loaded = False
@@ -114,8 +108,6 @@ class SqliteStore(Store):
         heapq.heapify(self._expiry)
         self._revision, self._next_lease = loaded.revision, loaded.next_lease
         self._pending.clear()
-        self._pending_dirs.clear()
-        self._inflight = 0
         self._loaded = True
         self._failure = None
 
@@ -207,84 +199,22 @@ class SqliteStore(Store):
     def _persist(self, change: Change, keys: Iterable[str]) -> asyncio.Future[None]:
         if self._dirty:
             change.lease_puts.extend(self._checkpoint())
-        self._seq += 1
-        seq = self._seq
         fut = self._thread.commit(change)
-        self._inflight += 1
-        touched = list(keys)
-        dirs = {d for key in touched for d in _dirs(key)}
-        item = (seq, fut)
-        for key in touched:
-            self._pending[key] = item
-        for d in dirs:
-            self._pending_dirs[d] = item
-
-        def done(f: asyncio.Future[None]) -> None:
-            self._inflight -= 1
-            for key in touched:
-                if self._pending.get(key, (0, None))[1] is f:
-                    del self._pending[key]
-            for d in dirs:
-                if self._pending_dirs.get(d, (0, None))[1] is f:
-                    del self._pending_dirs[d]
-            if not f.cancelled() and isinstance(exc := f.exception(), FileFailure):
-                self._fail(exc)
-
-        fut.add_done_callback(done)
+        self._pending.track(fut, keys, self._fail)
         return fut
-
-    async def _durable(self, fut: asyncio.Future[None], deadline: float | None = None) -> None:
-        timeout = self._timeout_s if deadline is None else deadline - time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0.0))
-        except TimeoutError:
-            raise Unavailable(
-                f"SQLite store {self.path} did not commit within {self._timeout_s:g} s "
-                "(a stalled or overloaded disk); the change may still take effect."
-            ) from None
-        except FileFailure as exc:
-            raise Unavailable(exc.detail) from exc
-
-    async def _settled(self, keys: Iterable[str]) -> None:
-        """Wait until none of ``keys`` has a change on its way to the file."""
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            latest: tuple[int, asyncio.Future[None]] | None = None
-            for key in keys:
-                item = self._pending.get(key)
-                if item is not None and (latest is None or item[0] > latest[0]):
-                    latest = item
-            if latest is None:
-                return
-            await self._durable(latest[1], deadline)
-
-    def _writable(self) -> None:
-        if self._inflight >= self._max_pending:
-            raise Unavailable(
-                f"SQLite store {self.path}: {self._inflight} changes wait for the disk "
-                "(stalled or too slow); refusing more until it catches up."
-            )
 
     # -- reads -------------------------------------------------------------------------------
 
     async def get(self, key: str) -> Entry | None:
         await self._usable()
-        if key in self._pending:
-            await self._settled([key])
+        if key in self._pending.keys:
+            await self._pending.settle_keys([key])
         entry = self._kv.get(key)
         return entry if entry is not None and self._alive(entry, time.time()) else None
 
     async def range(self, prefix: str) -> Snapshot:
         await self._usable()
-        if self._pending:
-            if prefix.endswith("/"):  # the latest change under it, whose commit covers the rest
-                deadline = time.monotonic() + self._timeout_s
-                while (item := self._pending_dirs.get(prefix)) is not None:
-                    await self._durable(item[1], deadline)  # raises if it failed
-                    if self._pending_dirs.get(prefix) is item:
-                        break  # committed; its bookkeeping callback has yet to run
-            else:
-                await self._settled([k for k in self._pending if k.startswith(prefix)])
+        await self._pending.settle_prefix(prefix)
         now = time.time()
         entries = [e for k in self._under(prefix) if self._alive(e := self._kv[k], now)]
         remaining = {
@@ -296,7 +226,7 @@ class SqliteStore(Store):
 
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
         await self._usable()
-        self._writable()
+        self._pending.writable()
         now = time.time()
         for cmp in compares:
             entry = self._kv.get(cmp.key)
@@ -324,12 +254,12 @@ class SqliteStore(Store):
                         changed.append(key)
         fut = self._persist(change, changed)
         self._notify(changed)
-        await self._durable(fut)
+        await self._pending.durable(fut)
         return TxnResult(True, change.revision)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
         await self._usable()
-        self._writable()
+        self._pending.writable()
         lease_id = self._next_lease
         self._next_lease += 1
         expires_at = time.time() + ttl_s
@@ -448,14 +378,8 @@ class SqliteStore(Store):
         await self._thread.stop(self._timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {"keys": len(self._kv), "leases": len(self._leases), "pending": self._inflight}
-
-
-def _dirs(key: str) -> list[str]:
-    """``a/b/c`` -> ``a/``, ``a/b/``."""
-    out = []
-    i = key.find("/")
-    while i >= 0:
-        out.append(key[: i + 1])
-        i = key.find("/", i + 1)
-    return out
+        return {
+            "keys": len(self._kv),
+            "leases": len(self._leases),
+            "pending": self._pending.inflight,
+        }

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.store import Unavailable as StoreUnavailable
 from app.store import Put
+from app.store import Unavailable as StoreUnavailable
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from app.store import Unavailable as StoreUnavailable
 from app.store import Put, Store
+from app.store import Unavailable as StoreUnavailable
 from tests.store.conftest import shared_etcd
 from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.server import free_port

@@ -1,0 +1,123 @@
+"""Changes of the SQLite store on their way to the file, and the waits for them.
+
+The store decides every change in memory and hands it to the file's thread (group commit).
+Until its commit returns, a change is *pending*: readers of its keys wait for it (a reader
+never sees what a crash could still take back), writers wait for their own, and too many
+pending changes refuse new writes (a stalled disk must not grow memory without bound).
+
+Commits land in order, so the latest pending change under a key, or under a "directory" (a
+key's prefix up to a ``/``), stands for every earlier one there: once it is durable, they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+
+from app.store.base import Unavailable
+from app.store.sqlite_file import FileFailure
+
+_Item = tuple[int, "asyncio.Future[None]"]  # (sequence, its commit)
+
+
+class Pending:
+    def __init__(self, path: str, timeout_s: float, max_pending: int) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.keys: dict[str, _Item] = {}
+        self.dirs: dict[str, _Item] = {}
+        self.inflight = 0
+        self._seq = 0
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.dirs.clear()
+        self.inflight = 0
+
+    def writable(self) -> None:
+        if self.inflight >= self.max_pending:
+            raise Unavailable(
+                f"SQLite store {self.path}: {self.inflight} changes wait for the disk "
+                "(stalled or too slow); refusing more until it catches up."
+            )
+
+    def track(
+        self,
+        fut: asyncio.Future[None],
+        keys: Iterable[str],
+        on_failure: Callable[[FileFailure], None],
+    ) -> None:
+        """``fut`` commits a change to ``keys``; forget it once it settles."""
+        self._seq += 1
+        item = (self._seq, fut)
+        self.inflight += 1
+        touched = list(keys)
+        dirs = {d for key in touched for d in _dirs(key)}
+        for key in touched:
+            self.keys[key] = item
+        for d in dirs:
+            self.dirs[d] = item
+
+        def done(f: asyncio.Future[None]) -> None:
+            self.inflight -= 1
+            for key in touched:
+                if self.keys.get(key, (0, None))[1] is f:
+                    del self.keys[key]
+            for d in dirs:
+                if self.dirs.get(d, (0, None))[1] is f:
+                    del self.dirs[d]
+            if not f.cancelled() and isinstance(exc := f.exception(), FileFailure):
+                on_failure(exc)
+
+        fut.add_done_callback(done)
+
+    async def durable(self, fut: asyncio.Future[None], deadline: float | None = None) -> None:
+        """Wait for ``fut``'s commit, until ``deadline`` (monotonic) or the store's timeout."""
+        timeout = self.timeout_s if deadline is None else deadline - time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0.0))
+        except TimeoutError:
+            raise Unavailable(
+                f"SQLite store {self.path} did not commit within {self.timeout_s:g} s "
+                "(a stalled or overloaded disk); the change may still take effect."
+            ) from None
+        except FileFailure as exc:
+            raise Unavailable(exc.detail) from exc
+
+    async def settle_keys(self, keys: Iterable[str]) -> None:
+        """Wait until none of ``keys`` has a change on its way to the file."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            latest: _Item | None = None
+            for key in keys:
+                item = self.keys.get(key)
+                if item is not None and (latest is None or item[0] > latest[0]):
+                    latest = item
+            if latest is None:
+                return
+            await self.durable(latest[1], deadline)
+
+    async def settle_prefix(self, prefix: str) -> None:
+        """Wait until nothing under ``prefix`` is on its way to the file."""
+        if not self.keys:
+            return
+        if not prefix.endswith("/"):
+            await self.settle_keys([k for k in self.keys if k.startswith(prefix)])
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while (item := self.dirs.get(prefix)) is not None:
+            await self.durable(item[1], deadline)  # raises if it failed
+            if self.dirs.get(prefix) is item:
+                return  # committed; its bookkeeping callback has yet to run
+
+
+def _dirs(key: str) -> list[str]:
+    """``a/b/c`` -> ``a/``, ``a/b/``."""
+    out = []
+    i = key.find("/")
+    while i >= 0:
+        out.append(key[: i + 1])
+        i = key.find("/", i + 1)
+    return out
