@@ -24,13 +24,14 @@ from bench.common import HOST, free_port, process, say, summary_ms, wait_http
 from bench.storm_core import (
     HEARTBEAT_S,
     STORM_TIMEOUT_S,
-    TARGET_OPS,
     TP,
     TTL_S,
     Recorder,
     _groups,
     every_heartbeat,
     make_blobs,
+    storm_row,
+    worst_p99_ms,
 )
 
 # -- etcd direct ---------------------------------------------------------------------------------
@@ -112,22 +113,7 @@ class EtcdStorm:
                 done = time.perf_counter() - self.t0
                 self.stop.set()
                 await asyncio.gather(*self.heartbeats, return_exceptions=True)
-        ready = max(self.ready_at.values())
-        return {
-            "ranks": self.ranks,
-            "groups": len(self.groups),
-            "ready_s": round(ready, 3),
-            "ranks_per_s": round(self.ranks / ready, 1),
-            "handshakes_done_s": round(max(self.handshake_done), 3),
-            "total_s": round(done, 3),
-            "requests": self.rec.requests,
-            "requests_per_s": round(self.rec.requests / done, 1),
-            "ops": {op: summary_ms(v) for op, v in self.rec.ops.items()},
-            "target_ops_p99_ms": max(
-                summary_ms(self.rec.ops[op])["p99_ms"] for op in TARGET_OPS if self.rec.ops[op]
-            ),
-            "errors": dict(self.rec.errors),
-        }
+        return storm_row(self, done) | {"target_ops_p99_ms": worst_p99_ms(self.rec)}
 
 
 def etcd_storm(endpoint: str, ranks: int, blob_bytes: int | None = None) -> dict[str, Any]:

@@ -52,7 +52,6 @@ from bench.common import (
     cpu_seconds,
     registry_server,
     say,
-    summary_ms,
 )
 from bench.storm_core import (
     BLOB_MAX,
@@ -69,6 +68,8 @@ from bench.storm_core import (
     blob_sizes,
     every_heartbeat,
     make_blobs,
+    storm_row,
+    worst_p99_ms,
 )
 
 __all__ = ["BLOB_MAX", "BLOB_MIN", "COMPAT", "HEARTBEAT_S", "PACED_S", "STORM_TIMEOUT_S",
@@ -251,22 +252,10 @@ class HttpStorm:
         return self._report(done)
 
     def _report(self, done: float) -> dict[str, Any]:
-        ready = max(self.ready_at.values())
-        return {
-            "ranks": self.ranks,
-            "groups": len(self.groups),
-            "ready_s": round(ready, 3),
-            "ranks_per_s": round(self.ranks / ready, 1),
-            "handshakes_done_s": round(max(self.handshake_done), 3),
-            "total_s": round(done, 3),
-            "requests": self.rec.requests,
-            "requests_per_s": round(self.rec.requests / done, 1),
-            "blob_mib": round(sum(len(b) for b in self.blobs) * 3 / 4 / 2**20, 1),
-            "ops": {op: summary_ms(v) for op, v in self.rec.ops.items()},
-            "target_ops_p99_ms": max(
-                summary_ms(self.rec.ops[op])["p99_ms"] for op in TARGET_OPS if self.rec.ops[op]
-            ),
-            "errors": dict(self.rec.errors),
+        blob_mib = round(sum(len(b) for b in self.blobs) * 3 / 4 / 2**20, 1)
+        return storm_row(self, done) | {
+            "blob_mib": blob_mib,
+            "target_ops_p99_ms": worst_p99_ms(self.rec),
             **self.cpu,
         }
 

@@ -87,3 +87,31 @@ async def every_heartbeat(
             pass
         await beat()
         delay = HEARTBEAT_S
+
+
+def storm_row(storm: Any, done: float) -> dict[str, Any]:
+    """The figures every storm reports: ``storm`` has ``ranks``, ``groups``, ``ready_at``,
+    ``handshake_done`` and ``rec`` (a Recorder); ``done`` is its whole duration."""
+    from bench.common import summary_ms
+
+    ready = max(storm.ready_at.values())
+    rec: Recorder = storm.rec
+    return {
+        "ranks": storm.ranks,
+        "groups": len(storm.groups),
+        "ready_s": round(ready, 3),
+        "ranks_per_s": round(storm.ranks / ready, 1),
+        "handshakes_done_s": round(max(storm.handshake_done), 3),
+        "total_s": round(done, 3),
+        "requests": rec.requests,
+        "requests_per_s": round(rec.requests / done, 1),
+        "ops": {op: summary_ms(v) for op, v in rec.ops.items()},
+        "errors": dict(rec.errors),
+    }
+
+
+def worst_p99_ms(rec: Recorder) -> float:
+    """The worst p99 among the operations the per-operation target covers."""
+    from bench.common import summary_ms
+
+    return max(summary_ms(rec.ops[op])["p99_ms"] for op in TARGET_OPS if rec.ops[op])

@@ -31,8 +31,8 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from bench.common import HOST, cpu_seconds, summary_ms
-from bench.storm_core import COMPAT, ISSUE_BLOB, TP, TTL_S, Recorder, _groups, make_blobs
+from bench.common import HOST, cpu_seconds
+from bench.storm_core import COMPAT, ISSUE_BLOB, TP, TTL_S, Recorder, _groups, make_blobs, storm_row
 
 IN_FLIGHT = 64
 TIMEOUT_S = 300.0
@@ -101,21 +101,7 @@ class LeanStorm:
         tasks = [self._rank(i, *job) for i, job in enumerate(jobs)]
         await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
         done = time.perf_counter() - self.t0
-        ready = max(self.ready_at.values())
-        return {
-            "ranks": self.ranks,
-            "groups": len(self.groups),
-            "in_flight": IN_FLIGHT,
-            "blob_bytes": ISSUE_BLOB,
-            "ready_s": round(ready, 3),
-            "ranks_per_s": round(self.ranks / ready, 1),
-            "handshakes_done_s": round(max(self.handshake_done), 3),
-            "total_s": round(done, 3),
-            "requests": self.rec.requests,
-            "requests_per_s": round(self.rec.requests / done, 1),
-            "ops": {op: summary_ms(v) for op, v in self.rec.ops.items()},
-            "errors": dict(self.rec.errors),
-        }
+        return storm_row(self, done) | {"in_flight": IN_FLIGHT, "blob_bytes": ISSUE_BLOB}
 
 
 class HttpLean(LeanStorm):

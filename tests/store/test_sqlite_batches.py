@@ -8,7 +8,7 @@ import asyncio
 import threading
 from pathlib import Path
 
-from app.store import Delete, Put
+from app.store import Delete, Entry, Put
 from app.store.sqlite import SqliteStore
 
 
@@ -28,6 +28,27 @@ async def _hold_thread(store: SqliteStore) -> tuple[threading.Event, asyncio.Tas
         await asyncio.sleep(0.005)
     assert started.is_set(), "the file thread never ran the blocking call"
     return release, held
+
+
+async def _reloaded(path: Path, prefix: str) -> list[Entry]:
+    """The entries under ``prefix`` as a fresh store loads them from the file."""
+    again = SqliteStore(path, timeout_s=5.0)
+    await again.start()
+    try:
+        return (await again.range(prefix)).entries
+    finally:
+        await again.close()
+
+
+async def _in_one_batch(store: SqliteStore, batches: list[list[Put | Delete]]) -> None:
+    """Queue every transaction while the file's thread is held, then let them commit."""
+    release, held = await _hold_thread(store)
+    writes = [asyncio.ensure_future(store.txn([], ops)) for ops in batches]
+    await asyncio.sleep(0.05)
+    assert not any(w.done() for w in writes), "a write answered before it was durable"
+    release.set()
+    await held
+    assert all(r.succeeded for r in await asyncio.gather(*writes))
 
 
 def test_a_batch_keeps_each_keys_last_state_after_a_reload(tmp_path: Path) -> None:
@@ -57,18 +78,9 @@ def test_a_batch_keeps_each_keys_last_state_after_a_reload(tmp_path: Path) -> No
         await revoked
         await store.close()
 
-        again = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
-        await again.start()
-        try:
-            snap = await again.range("")
-            assert {e.key: e.value for e in snap.entries} == {
-                "g/a": b"2",
-                "g/b": b"3",
-                "g/e": b"5",
-            }
-            assert next(e for e in snap.entries if e.key == "g/b").lease == lease.id
-        finally:
-            await again.close()
+        entries = await _reloaded(tmp_path / "r.db", "")
+        assert {e.key: e.value for e in entries} == {"g/a": b"2", "g/b": b"3", "g/e": b"5"}
+        assert next(e for e in entries if e.key == "g/b").lease == lease.id
 
     asyncio.run(main())
 
@@ -108,29 +120,10 @@ def test_a_batch_larger_than_one_statement_is_written_whole(tmp_path: Path) -> N
     async def main() -> None:
         store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
         await store.start()
-        release, held = await _hold_thread(store)
         # 300 rows: statements of 256, 32, 8 and 4 rows; then 299 deleted in one batch.
-        writes = [
-            asyncio.ensure_future(store.txn([], [Put(f"k/{i:04d}", b"v")])) for i in range(300)
-        ]
-        await asyncio.sleep(0.05)
-        release.set()
-        await held
-        await asyncio.gather(*writes)
-        release, held = await _hold_thread(store)
-        deletes = [
-            asyncio.ensure_future(store.txn([], [Delete(f"k/{i:04d}")])) for i in range(1, 300)
-        ]
-        await asyncio.sleep(0.05)
-        release.set()
-        await held
-        await asyncio.gather(*deletes)
+        await _in_one_batch(store, [[Put(f"k/{i:04d}", b"v")] for i in range(300)])
+        await _in_one_batch(store, [[Delete(f"k/{i:04d}")] for i in range(1, 300)])
         await store.close()
-        again = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
-        await again.start()
-        try:
-            assert [e.key for e in (await again.range("k/")).entries] == ["k/0000"]
-        finally:
-            await again.close()
+        assert [e.key for e in await _reloaded(tmp_path / "r.db", "k/")] == ["k/0000"]
 
     asyncio.run(main())
