@@ -265,10 +265,10 @@ class SqliteStore(Store):
         expires_at = time.time() + ttl_s
         self._leases[lease_id] = _Lease(ttl_s, expires_at)
         heapq.heappush(self._expiry, (expires_at, lease_id))
-        # Not awaited: any change that uses the lease commits after it, in order.
-        self._persist(
-            Change(self._revision, self._next_lease, lease_puts=[(lease_id, ttl_s, expires_at)]), ()
-        )
+        # Written with the next change (the transaction that puts keys on it, or the sweep
+        # within sweep_interval_s), as renewals are: a key is never durable on a lease that is
+        # not, and a registration costs one commit, not two.
+        self._dirty.add(lease_id)
         return Lease(lease_id, ttl_s, float(ttl_s))
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:

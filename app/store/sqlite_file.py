@@ -209,13 +209,14 @@ class SqliteFile:
         last = changes[-1]
 
         def write(conn: sqlite3.Connection) -> None:
+            # Leases before the keys on them, and dropped after them (kv.lease references it).
+            _rows(conn, _PUT_LEASE, [lease for lease in leases.values() if lease is not None])
             _rows(conn, _DELETE_KV, [(k,) for k, e in kv.items() if e is None])
             _rows(
                 conn,
                 _PUT_KV,
                 [(e.key, e.value, e.mod_revision, e.lease) for e in kv.values() if e is not None],
             )
-            _rows(conn, _PUT_LEASE, [lease for lease in leases.values() if lease is not None])
             _rows(conn, _DELETE_LEASE, [(i,) for i, lease in leases.items() if lease is None])
             conn.executemany(
                 "UPDATE meta SET v=? WHERE k=?",

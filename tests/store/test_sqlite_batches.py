@@ -5,6 +5,8 @@ wait exactly for the changes under their prefix that are not durable yet."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 import threading
 from pathlib import Path
 
@@ -125,5 +127,31 @@ def test_a_batch_larger_than_one_statement_is_written_whole(tmp_path: Path) -> N
         await _in_one_batch(store, [[Delete(f"k/{i:04d}")] for i in range(1, 300)])
         await store.close()
         assert [e.key for e in await _reloaded(tmp_path / "r.db", "k/")] == ["k/0000"]
+
+    asyncio.run(main())
+
+
+def _leases_in_file(path: Path) -> set[int]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return {row[0] for row in conn.execute("SELECT id FROM leases")}
+
+
+def test_a_lease_is_written_with_the_change_that_uses_it_or_by_the_sweep(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", timeout_s=5.0, sweep_interval_s=0.05)
+        await store.start()
+        try:
+            used = await store.grant_lease(60)
+            assert (await store.txn([], [Put("k", b"v", lease=used.id)])).succeeded
+            # Answered: the key and its lease are in the file (another connection sees them).
+            assert used.id in _leases_in_file(tmp_path / "r.db")
+            idle = await store.grant_lease(60)  # no change uses it: the sweep writes it
+            for _ in range(100):  # bounded: a few sweep intervals
+                if idle.id in _leases_in_file(tmp_path / "r.db"):
+                    break
+                await asyncio.sleep(0.02)
+            assert idle.id in _leases_in_file(tmp_path / "r.db")
+        finally:
+            await store.close()
 
     asyncio.run(main())
