@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from workers.tools.procs import free_port as free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A tiny model: every TP size the tests use (1, 2, 4) divides 4 heads; one block is 512 B.
@@ -26,12 +27,6 @@ SMALL_LAYOUT = [
     "--num-layers", "1", "--num-blocks", "6", "--block-size", "4",
     "--num-heads", "4", "--head-size", "16",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Launch:

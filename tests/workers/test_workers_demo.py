@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workers import demo
+from workers.tools import demo
 
 
 def test_the_defaults_are_a_two_node_prefill_and_a_decode_of_another_tp_size() -> None:
@@ -32,7 +32,7 @@ def test_impossible_topologies_are_refused_up_front(argv: list[str]) -> None:
 
 
 def test_the_orchestrator_imports_neither_torch_nor_nixl() -> None:
-    code = "import sys, workers.demo; print(sorted({'torch', 'nixl'} & set(sys.modules)))"
+    code = "import sys, workers.tools.demo; print(sorted({'torch', 'nixl'} & set(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )

@@ -7,18 +7,15 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import httpx
+from workers.tools.procs import ROOT, RegistryProcess, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
 KV_TRANSFER_CONFIG = {
     "kv_connector": "NixlConnector",
@@ -29,12 +26,6 @@ KV_TRANSFER_CONFIG = {
 
 def say(message: str) -> None:
     print(f"[vllm-launch] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_python() -> str:
@@ -136,7 +127,7 @@ class Registry:
     workdir: Path
     port: int = field(default_factory=free_port)
     tokens: Tokens = field(default_factory=Tokens.fresh)
-    proc: Proc | None = None
+    proc: RegistryProcess | None = None
 
     @property
     def url(self) -> str:
@@ -147,24 +138,18 @@ class Registry:
 
     def start(self, timeout_s: float = 30.0) -> Registry:
         tokens = self.tokens.write(self.workdir / f"registry-{self.port}.tokens")
-        cmd = [
-            vllm_python(), "-m", "app", "serve", "--host", "127.0.0.1",
-            "--port", str(self.port), "--store", f"sqlite:///{self.workdir}/registry-{self.port}.db",
-            "--tokens-file", str(tokens),
-        ]  # fmt: skip
-        self.proc = Proc(
-            f"registry:{self.port}", cmd, base_env(), self.workdir / f"registry-{self.port}.log"
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.proc.alive():
-                raise RuntimeError(f"registry exited: {self.proc.text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
-            time.sleep(0.1)
-        raise TimeoutError(f"registry did not serve within {timeout_s} s")
+        self.proc = RegistryProcess(
+            f"sqlite:///{self.workdir}/registry-{self.port}.db",
+            port=self.port,
+            args=["--tokens-file", str(tokens)],
+            python=vllm_python(),
+            environ=base_env(),
+            log_path=self.workdir / f"registry-{self.port}.log",
+            new_session=True,
+            poll_s=0.1,
+        ).start(timeout_s)
+        return self
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.stop()
+            self.proc.stop(grace_s=10.0)
