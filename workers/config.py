@@ -15,12 +15,24 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 S = TypeVar("S", bound=BaseSettings)
+
+
+def read_token_file(path: Path, variable: str) -> str:
+    """The first line of a token file (a Kubernetes or compose secret)."""
+    try:
+        token = path.read_text().strip().splitlines()[0].strip()
+    except (OSError, IndexError) as exc:
+        raise ValueError(f"cannot read {variable} {path}: {exc}") from None
+    if not token:
+        raise ValueError(f"{variable} {path} starts with an empty line; put the token there")
+    return token
 
 
 def env_name(cls: type[BaseSettings], field: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from workers.config import describe
+from workers.config import describe, read_token_file
 from workers.models import Role
 from workers.vllm_plugin import ENV_URL as ENV_URL
 
@@ -32,17 +32,6 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
 class PluginConfigError(RuntimeError):
     """The plugin is active but its environment is incomplete or wrong."""
-
-
-def read_token_file(path: Path, variable: str) -> str:
-    """The first line of a token file (a Kubernetes or compose secret)."""
-    try:
-        token = path.read_text().strip().splitlines()[0].strip()
-    except (OSError, IndexError) as exc:
-        raise ValueError(f"cannot read {variable} {path}: {exc}") from None
-    if not token:
-        raise ValueError(f"{variable} {path} starts with an empty line; put the token there")
-    return token
 
 
 class PluginSettings(BaseSettings):
