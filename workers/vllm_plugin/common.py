@@ -16,8 +16,11 @@ log = logging.getLogger("vllm.engine_registry")
 _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
-def client(settings: PluginSettings) -> RegistryClient:
-    return RegistryClient(settings.urls, token=settings.token, timeout_s=settings.timeout_s)
+def client(settings: PluginSettings, timeout_s: float | None = None) -> RegistryClient:
+    """The plugin's one way to reach the registry (URLs, token, deadline)."""
+    return RegistryClient(
+        settings.urls, token=settings.token, timeout_s=timeout_s or settings.timeout_s
+    )
 
 
 def role(config: Any, settings: PluginSettings) -> Role:

@@ -17,9 +17,8 @@ import os
 import uuid
 from typing import Any
 
-from workers.client import RegistryClient
 from workers.errors import Forbidden, RegistryError, Unauthorized
-from workers.vllm_plugin import SUPPORTED_VLLM_VERSIONS
+from workers.vllm_plugin import SUPPORTED_VLLM_VERSIONS, common
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import vllm_version
 from workers.vllm_plugin.settings import (
@@ -102,7 +101,7 @@ def install() -> None:
 def check_token(settings: PluginSettings) -> None:
     """A token the registry refuses stops the launch in its first process, before vLLM loads
     anything (the workers would refuse too, with the same cause, minutes later)."""
-    with RegistryClient(settings.urls, token=settings.token, timeout_s=5.0) as client:
+    with common.client(settings, timeout_s=5.0) as client:
         try:
             client.request("GET", f"/tp-groups/{settings.group}/engine")
         except (Unauthorized, Forbidden) as exc:
