@@ -1,5 +1,6 @@
 """Process helpers shared by the tests, the benchmarks, the demo and the vLLM launcher: one
-`free_port`, and one way to run a registry (`engine-registry serve`) as a process.
+`free_port`, one way to run a registry (`engine-registry serve`) as a process, and `Proc`, a
+child in its own process group logging to a file (vLLM nodes, torchrun launches).
 
 `RegistryProcess` starts `python -m app serve` on a port (a free loopback one unless given),
 waits for `/healthz` to answer 200 within a deadline (failing at once, with the log's tail,
@@ -38,6 +39,52 @@ def log_tail(path: Path | None, chars: int = 2000) -> str:
     if path is None or not path.exists():
         return "(no log)"
     return path.read_text(errors="replace")[-chars:]
+
+
+class Proc:
+    """One child in its own process group, logging to a file; stopped as a group."""
+
+    def __init__(
+        self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path, *,
+        cwd: Path = ROOT,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.cmd = list(cmd)
+        self.log_path = log
+        with open(log, "ab") as out:  # the child keeps its own descriptor
+            self.popen = subprocess.Popen(
+                self.cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit status, or None if it still runs after `timeout_s`."""
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the whole group (torchrun, vLLM: their children too)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group, SIGKILL after `grace_s`; children left behind go too."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            if self.wait(grace_s) is None:
+                self.signal(signal.SIGKILL)
+                self.wait(5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
 
 
 class RegistryProcess:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,13 +37,12 @@ from typing import Any
 
 import httpx
 
-from workers.tools.procs import ROOT, free_port
+from workers.tools.procs import ROOT, Proc, free_port
 from workers.tools.vllm_pd import Proxy, nixl_transfers
 from workers.tools.vllm_procs import (
     KV_TRANSFER_CONFIG,
     ROLES,
     VLLM_VENV,
-    Proc,
     Registry,
     Tokens,
     base_env,
@@ -159,9 +157,7 @@ class Instance:
     def stop(self) -> None:
         # Headless nodes first would leave node 0 waiting in a collective; stop all at once.
         for proc in self.procs:
-            if proc.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
+            proc.signal(signal.SIGTERM)
         for proc in self.procs:
             proc.stop(grace_s=15.0)
         self.procs = []

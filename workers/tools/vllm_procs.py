@@ -3,16 +3,11 @@ environment vLLM needs on these CPU machines (docs/vllm-plugin.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
-import subprocess
 import sys
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 from workers.tools.procs import ROOT, RegistryProcess, free_port
 
@@ -54,49 +49,6 @@ def base_env() -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     return env
-
-
-class Proc:
-    """One child in its own process group, logging to a file; killed as a group."""
-
-    def __init__(self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path):
-        self.name = name
-        self.cmd = list(cmd)
-        self.log_path = log
-        self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115
-        self.popen = subprocess.Popen(
-            self.cmd,
-            cwd=ROOT,
-            env=dict(env),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait(self, timeout_s: float) -> int | None:
-        try:
-            return self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGTERM)
-            if self.wait(grace_s) is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.wait(5)
-        # Children left behind in the group (workers) go too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        self._log.close()
 
 
 @dataclass(frozen=True)
