@@ -27,12 +27,12 @@ S = TypeVar("S", bound=BaseSettings)
 def read_token_file(path: Path, variable: str) -> str:
     """The first line of a token file (a Kubernetes or compose secret)."""
     try:
-        token = path.read_text().strip().splitlines()[0].strip()
-    except (OSError, IndexError) as exc:
+        lines = path.read_text().strip().splitlines()
+    except OSError as exc:
         raise ValueError(f"cannot read {variable} {path}: {exc}") from None
-    if not token:
-        raise ValueError(f"{variable} {path} starts with an empty line; put the token there")
-    return token
+    if not lines:
+        raise ValueError(f"{variable} {path} is empty: put the token on its first line")
+    return lines[0].strip()
 
 
 def env_name(cls: type[BaseSettings], field: str) -> str:
