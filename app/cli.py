@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         try:
-            from workers.demo import main as demo_main  # needs torch and nixl
+            from workers.tools.demo import main as demo_main  # needs torch and nixl
         except ImportError as exc:
             print(
                 f"engine-registry demo needs the workers extra "

@@ -7,13 +7,15 @@ import importlib.metadata
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from workers.tools.procs import RegistryProcess
+from workers.tools.procs import free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -25,12 +27,6 @@ _T0 = time.monotonic()
 def say(msg: str) -> None:
     """Progress on stderr, stamped with seconds since the run began."""
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def pct(values: Sequence[float], q: float) -> float:
@@ -183,13 +179,13 @@ class Server(str):
 @contextlib.contextmanager
 def registry_server(store: str, *, log: Path | None = None) -> Iterator[Server]:
     """``python -m app serve`` on a free loopback port with its default settings."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "app", "serve", "--host", HOST, "--port", str(port)]
-    with process([*cmd, "--store", store], log=log) as proc:
-        url = Server(f"http://{HOST}:{port}")
-        url.pid = proc.pid
-        wait_http(f"{url}/healthz", 30.0, proc)
+    registry = RegistryProcess(store, host=HOST, log_path=log).start(timeout_s=30.0)
+    try:
+        url = Server(registry.url)
+        url.pid = registry.pid
         yield url
+    finally:
+        registry.stop()
 
 
 def etcd_store_available() -> tuple[bool, str]:

@@ -14,7 +14,6 @@ names its prefill engine): a 410 evicts the cached agents and follows `current_e
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import threading
@@ -40,29 +39,13 @@ from workers.errors import (
 )
 from workers.kv import KvLayout, ReadOp, kv_spec, plan_reads, verify
 from workers.models import Compat, Handshake, KvSpec
+from workers.settings import DecodeSettings, parse_decode
 
 log = logging.getLogger("workers.decode")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workers.decode", description=__doc__)
-    launch.add_common_args(parser)
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--prefill-engine-id", help="the prefill engine to read from")
-    target.add_argument("--prefill-group", help="read from this group's current engine")
-    parser.add_argument("--read-blocks", type=int, default=0, help="blocks to read (0: all)")
-    parser.add_argument("--rounds", type=int, default=1, help="verified rounds to complete")
-    parser.add_argument(
-        "--until-engines",
-        type=int,
-        default=0,
-        help="keep going until blocks of this many distinct prefill engines verified",
-    )
-    parser.add_argument("--round-interval-s", type=float, default=0.2)
-    parser.add_argument("--handshake-timeout-s", type=float, default=60.0)
-    parser.add_argument("--transfer-timeout-s", type=float, default=10.0)
-    parser.add_argument("--deadline-s", type=float, default=120.0, help="give up after this")
-    return parser.parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> DecodeSettings:
+    return parse_decode(argv, __doc__)
 
 
 @dataclass
@@ -159,7 +142,7 @@ class RemoteEngines:
 
 
 def read_round(
-    args: argparse.Namespace,
+    args: DecodeSettings,
     engines: RemoteEngines,
     engine_id: str,
     buffer: torch.Tensor,
@@ -203,7 +186,7 @@ def read_round(
 
 
 def pull(
-    args: argparse.Namespace,
+    args: DecodeSettings,
     engines: RemoteEngines,
     engine_id: str,
     buffer: torch.Tensor,
@@ -268,7 +251,7 @@ def pull(
     return launch.EXIT_ERROR
 
 
-def wait_for_group(client: RegistryClient, group_id: str, args: argparse.Namespace) -> str:
+def wait_for_group(client: RegistryClient, group_id: str, args: DecodeSettings) -> str:
     """The group's current engine_id once it is ready: the prefill may not have opened it yet
     (a 404 until its rank 0 gets there), so wait for it, up to the deadline."""
     deadline = time.monotonic() + args.deadline_s
@@ -288,7 +271,7 @@ def wait_for_group(client: RegistryClient, group_id: str, args: argparse.Namespa
             return engine.engine_id
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: DecodeSettings) -> int:
     session = launch.start_rank(args, "decode")
     info, reporter, stop = session.info, session.reporter, session.stop
     layout, client = session.layout, session.client
@@ -318,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
             log.error("REGISTRY REFUSED THE AGENTS: %s", exc)
             reporter.update(status="refused", error=str(exc), causes=exc.causes)
             return launch.EXIT_REFUSED
-        engine_id = args.prefill_engine_id or wait_for_group(client, args.prefill_group, args)
+        engine_id = args.prefill_engine_id or wait_for_group(client, str(args.prefill_group), args)
         engines = RemoteEngines(
             endpoint,
             client,

@@ -44,6 +44,7 @@ from workers.errors import (
     Unauthorized,
 )
 from workers.models import Compat, Role
+from workers.models import EngineIdentity as EngineIdentity  # its home before models
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +55,6 @@ SUPERSEDED = "superseded"  # API cause `superseded`
 REGISTRY_UNREACHABLE = "registry_unreachable"
 UNAUTHORIZED = "unauthorized"  # the registry refused this rank's token (401/403)
 OPEN_FAILED = "open_failed"
-
-
-@dataclass(frozen=True)
-class EngineIdentity:
-    group_id: str
-    engine_id: str
-    generation: int
-    registry_url: str
-    launch_id: str
-    # "registry": issued by the registry and cross-verified; "fallback": rank 0's id used
-    # without the registry (unreachable, fallback allowed); "local": made up by this node.
-    source: str = "registry"
 
 
 @dataclass(frozen=True)

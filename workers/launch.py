@@ -11,7 +11,6 @@ is group-wide, because the outcome is agreed on collectively):
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -45,87 +44,11 @@ from workers.identity import (
 from workers.kv import KvLayout
 from workers.models import AgentItem, KvSpec, Role
 from workers.node import RankPublication, publish_per_node, verdict_of
-from workers.tls import ClientTLS
+from workers.settings import WorkerSettings
 
 EXIT_OK, EXIT_ERROR, EXIT_IDENTITY, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TRANSFER = range(6)
 
 log = logging.getLogger("workers")
-
-
-def _token_from_file(path: str | None) -> str | None:
-    """The first line of a token file (a compose/k8s secret); None when no file is named."""
-    if not path:
-        return None
-    try:
-        return Path(path).read_text().strip().splitlines()[0].strip() or None
-    except (OSError, IndexError) as exc:
-        raise SystemExit(f"cannot read WORKERS_REGISTRY_TOKEN_FILE {path}: {exc}") from None
-
-
-PUBLISH_MODES = ("per-node", "per-rank")
-
-
-def _publish_mode(value: str) -> str:
-    if value not in PUBLISH_MODES:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a publication mode: use one of {', '.join(PUBLISH_MODES)} "
-            "(--publish or $WORKERS_PUBLISH)"
-        )
-    return value
-
-
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument(
-        "--registry",
-        default=env("WORKERS_REGISTRY_URL", "http://127.0.0.1:8080"),
-        help="registry URL; several replicas comma-separated ($WORKERS_REGISTRY_URL)",
-    )
-    parser.add_argument(
-        "--token",
-        default=env("WORKERS_REGISTRY_TOKEN")
-        or _token_from_file(env("WORKERS_REGISTRY_TOKEN_FILE")),
-        help="bearer token ($WORKERS_REGISTRY_TOKEN, or a file named by "
-        "$WORKERS_REGISTRY_TOKEN_FILE, e.g. a compose secret)",
-    )
-    parser.add_argument(
-        "--group-id",
-        default=env("WORKERS_GROUP_ID"),
-        required=not env("WORKERS_GROUP_ID"),
-        help="this TP group's id ($WORKERS_GROUP_ID)",
-    )
-    parser.add_argument("--model", default="demo-model")
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-blocks", type=int, default=16, help="KV blocks per rank")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--num-heads", type=int, default=8, help="KV heads of the model")
-    parser.add_argument("--head-size", type=int, default=64)
-    parser.add_argument("--dtype", default="float16")
-    parser.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM)")
-    parser.add_argument("--ttl-s", type=int, default=30, help="agent lease")
-    parser.add_argument("--timeout-s", type=float, default=30.0, help="registry call deadline")
-    parser.add_argument("--collective-timeout-s", type=float, default=120.0)
-    parser.add_argument(
-        "--engine-id-source",
-        choices=["registry", "local"],
-        default="registry",
-        help="'local' reproduces the original bug: each node makes up its own engine_id",
-    )
-    parser.add_argument(
-        "--allow-fallback",
-        action="store_true",
-        help="if the registry is unreachable, use rank 0's own id (loudly logged)",
-    )
-    parser.add_argument(
-        "--publish",
-        type=_publish_mode,
-        default=env("WORKERS_PUBLISH", "per-node"),
-        help="per-node (default): each node's first rank registers the node's agents in one "
-        "request and renews them with one heartbeat; per-rank: every rank publishes its own "
-        "($WORKERS_PUBLISH)",
-    )
-    parser.add_argument("--advertise-host", default=None)
-    parser.add_argument("--report-dir", default=None, help="write one JSON report per rank")
 
 
 @dataclass(frozen=True)
@@ -138,7 +61,7 @@ class RankInfo:
     cpu_group: Any = None
 
 
-def init_distributed(args: argparse.Namespace) -> RankInfo:
+def init_distributed(args: WorkerSettings) -> RankInfo:
     """Join the TP group torchrun set up (gloo on CPU, nccl when the KV lives on GPUs)."""
     backend = "nccl" if str(args.device).startswith("cuda") else "gloo"
     if backend == "nccl":
@@ -183,7 +106,7 @@ class Reporter:
             tmp.replace(self.path)
 
 
-def layout_from_args(args: argparse.Namespace) -> KvLayout:
+def layout_from_args(args: WorkerSettings) -> KvLayout:
     return KvLayout(
         num_layers=args.num_layers,
         num_blocks=args.num_blocks,
@@ -210,7 +133,7 @@ class RankSession:
             dist.destroy_process_group()
 
 
-def start_rank(args: argparse.Namespace, role: str) -> RankSession:
+def start_rank(args: WorkerSettings, role: str) -> RankSession:
     """Join the process group, log and report as this rank, stop on SIGTERM/SIGINT."""
     info = init_distributed(args)
     setup_logging(role, info, args.group_id)
@@ -221,17 +144,17 @@ def start_rank(args: argparse.Namespace, role: str) -> RankSession:
     return RankSession(info, reporter, stop, layout_from_args(args), client_factory(args)())
 
 
-def client_factory(args: argparse.Namespace) -> Callable[[], RegistryClient]:
-    tls = ClientTLS.from_env()  # https:// URLs: CA, client cert and key
-
+def client_factory(args: WorkerSettings) -> Callable[[], RegistryClient]:
     def make() -> RegistryClient:
-        return RegistryClient(args.registry, token=args.token, timeout_s=args.timeout_s, tls=tls)
+        return RegistryClient(
+            args.registry_url, token=args.registry_token, timeout_s=args.timeout_s, tls=args.tls
+        )
 
     return make
 
 
 def establish_identity(
-    args: argparse.Namespace, client: RegistryClient, info: RankInfo, role: Role, layout: KvLayout
+    args: WorkerSettings, client: RegistryClient, info: RankInfo, role: Role, layout: KvLayout
 ) -> EngineIdentity:
     """The engine_id this rank registers under (registry-issued, or node-made in bug mode)."""
     compat = layout.compat(args.model)
@@ -280,7 +203,7 @@ def _not_published(identity: EngineIdentity) -> bool:
 
 
 def publish(
-    args: argparse.Namespace,
+    args: WorkerSettings,
     client: RegistryClient,
     info: RankInfo,
     identity: EngineIdentity,

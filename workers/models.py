@@ -30,9 +30,12 @@ class KvSpec:
     num_blocks: int
     block_len: int
     num_heads: int = 0
+    # More members of the record, kept as given (the vLLM plugin's side channel, layout, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            **self.extra,
             "mem_type": self.mem_type,
             "device_id": self.device_id,
             "base_addrs": list(self.base_addrs),
@@ -51,6 +54,20 @@ class KvSpec:
             block_len=int(data["block_len"]),
             num_heads=int(data.get("num_heads", 0)),
         )
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """The engine_id a TP group's ranks agreed on (`workers.identity.sync_engine_id`)."""
+
+    group_id: str
+    engine_id: str
+    generation: int
+    registry_url: str
+    launch_id: str
+    # "registry": issued by the registry and cross-verified; "fallback": rank 0's id used
+    # without the registry (unreachable, fallback allowed); "local": made up by this node.
+    source: str = "registry"
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ publish its agent, then serve reads until SIGTERM, a deadline, or `--exit-after-
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import threading
@@ -18,25 +17,17 @@ from workers import launch
 from workers.endpoint import NixlEndpoint
 from workers.errors import EngineIdentityError, EngineIdMismatch
 from workers.kv import fill, kv_spec
+from workers.settings import PrefillSettings, parse_prefill
 
 log = logging.getLogger("workers.prefill")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workers.prefill", description=__doc__)
-    launch.add_common_args(parser)
-    parser.add_argument("--serve-s", type=float, default=300.0, help="serve at most this long")
-    parser.add_argument(
-        "--exit-after-notifs",
-        type=int,
-        default=0,
-        help="exit once this many 'verified' notifications arrived at this rank (0: never)",
-    )
-    return parser.parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> PrefillSettings:
+    return parse_prefill(argv, __doc__)
 
 
 def serve(
-    args: argparse.Namespace,
+    args: PrefillSettings,
     endpoint: NixlEndpoint,
     stop: threading.Event,
     reporter: launch.Reporter,
@@ -60,7 +51,7 @@ def serve(
     return verified
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: PrefillSettings) -> int:
     session = launch.start_rank(args, "prefill")
     info, reporter, stop = session.info, session.reporter, session.stop
     layout, client = session.layout, session.client

@@ -12,6 +12,13 @@ The loop's rules are the same for both: a heartbeat every `ttl_s * fraction` sec
 404 (a lease expired, say after a registry outage) register again; after a 409 (a newer
 launch superseded the engine) stop, log loudly, set `superseded` and call `on_superseded`:
 a rank of an old launch must not keep serving under an id the registry no longer vouches for.
+Any other failure (the registry unreachable, a 503) is logged and the next heartbeat tries
+again: an outage shorter than the lease costs nothing, and a longer one ends in a 404 and a
+new registration. The client retries each call within its deadline (the interval).
+
+Used by the `torchrun` entrypoints (`workers.launch`, `workers.node`) and by the vLLM plugin
+(`workers.vllm_plugin.worker_side`). Imports neither torch nor numpy (a test checks): the
+plugin's scheduler process and the tools use it without them.
 """
 
 from __future__ import annotations
@@ -22,8 +29,7 @@ from collections.abc import Callable, Sequence
 
 from workers.client import RegistryClient
 from workers.errors import EngineIdMismatch, NotFound, RegistryError
-from workers.identity import EngineIdentity
-from workers.models import AgentItem, KvSpec
+from workers.models import AgentItem, EngineIdentity, KvSpec
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,12 @@ class LeaseKeeper:
         ttl_s: int = 30,
         fraction: float = 1 / 3,
         on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+        logger: logging.Logger | None = None,
+        close_timeout_s: float = 5.0,
+        wait: Callable[[float], bool] | None = None,
     ) -> None:
+        """`wait(seconds)`: sleep between heartbeats, True when the keeper is stopping
+        (default: the stop event's own wait; tests pass a fake clock's)."""
         self._client = make_client()
         self._hb_client = make_client()  # one httpx client per thread
         self.identity = identity
@@ -51,9 +62,14 @@ class LeaseKeeper:
         self.superseded = threading.Event()
         self.reregistrations = 0
         self.heartbeats = 0
+        self.failures = 0
         self.published = False
+        self.log = logger or log
+        self.close_timeout_s = close_timeout_s
         self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     # -- what differs -----------------------------------------------------------------------
 
@@ -71,40 +87,46 @@ class LeaseKeeper:
 
     def start(self) -> None:
         name = f"heartbeat-{self.label.replace(' ', '')}"
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self.run, name=name, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        client = self._hb_client
-        while not self._stop.wait(self.interval_s):
-            try:
-                self._renew(client, self.interval_s)
-                self.heartbeats += 1
-            except NotFound as exc:
-                log.warning(
-                    "%s: agent lease gone (404: %s); registering again", self.label, exc.detail
-                )
-                try:
-                    self.publish(client)
-                    self.reregistrations += 1
-                except RegistryError as again:
-                    log.warning("%s: re-registration failed: %s", self.label, again)
-            except EngineIdMismatch as exc:
-                log.error(
-                    "%s OF ENGINE %s IS SUPERSEDED (%s): a newer launch of group %s owns "
-                    "it now. Heartbeats stop; the rank(s) must shut down.",
-                    self.label.upper(),
-                    self.identity.engine_id,
-                    exc.detail,
-                    self.identity.group_id,
-                )
-                self.superseded.set()
-                if self.on_superseded is not None:
-                    self.on_superseded(exc)
+    def run(self) -> None:
+        """The loop, in the caller's thread (`start()` runs it in its own)."""
+        while not self._wait(self.interval_s):
+            if not self.beat():
                 return
-            except RegistryError as exc:
-                # Keep trying: a registry outage shorter than the lease costs nothing.
-                log.warning("%s: heartbeat failed: %s", self.label, exc)
+
+    def beat(self) -> bool:
+        """One heartbeat and what follows from its answer; False once superseded."""
+        log, client = self.log, self._hb_client
+        try:
+            self._renew(client, self.interval_s)
+            self.heartbeats += 1
+        except NotFound as exc:
+            log.warning("%s: agent lease gone (404: %s); registering again", self.label, exc.detail)
+            try:
+                self.publish(client)
+                self.reregistrations += 1
+            except RegistryError as again:
+                log.warning("%s: re-registration failed: %s", self.label, again)
+        except EngineIdMismatch as exc:
+            log.error(
+                "%s OF ENGINE %s IS SUPERSEDED (%s): a newer launch of group %s owns "
+                "it now. Heartbeats stop; the rank(s) must shut down.",
+                self.label.upper(),
+                self.identity.engine_id,
+                exc.detail,
+                self.identity.group_id,
+            )
+            self.superseded.set()
+            if self.on_superseded is not None:
+                self.on_superseded(exc)
+            return False
+        except RegistryError as exc:
+            # Keep trying: a registry outage shorter than the lease costs nothing.
+            self.failures += 1
+            log.warning("%s: heartbeat failed: %s", self.label, exc)
+        return True
 
     def close(self, *, deregister: bool = True) -> None:
         """Stop the heartbeat and (unless superseded) deregister. Idempotent, bounded."""
@@ -112,11 +134,14 @@ class LeaseKeeper:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5)
             self._thread = None
+        if self._closed:
+            return
+        self._closed = True
         if deregister and self.published and not self.superseded.is_set():
             try:
-                self._deregister(self._client, 5.0)
+                self._deregister(self._client, self.close_timeout_s)
             except RegistryError as exc:
-                log.warning("%s: deregistration failed: %s", self.label, exc)
+                self.log.warning("%s: deregistration failed: %s", self.label, exc)
         self._client.close()
         self._hb_client.close()
 
@@ -137,6 +162,9 @@ class Publication(LeaseKeeper):
         ttl_s: int = 30,
         fraction: float = 1 / 3,
         on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+        logger: logging.Logger | None = None,
+        close_timeout_s: float = 5.0,
+        wait: Callable[[float], bool] | None = None,
     ) -> None:
         super().__init__(
             make_client,
@@ -145,6 +173,9 @@ class Publication(LeaseKeeper):
             ttl_s=ttl_s,
             fraction=fraction,
             on_superseded=on_superseded,
+            logger=logger,
+            close_timeout_s=close_timeout_s,
+            wait=wait,
         )
         self.rank = rank
         self.agent_name = agent_name
@@ -194,6 +225,9 @@ class BatchPublication(LeaseKeeper):
         ttl_s: int = 30,
         fraction: float = 1 / 3,
         on_superseded: Callable[[EngineIdMismatch], None] | None = None,
+        logger: logging.Logger | None = None,
+        close_timeout_s: float = 5.0,
+        wait: Callable[[float], bool] | None = None,
     ) -> None:
         if not agents:
             raise ValueError("a batch publication needs at least one agent")
@@ -209,6 +243,9 @@ class BatchPublication(LeaseKeeper):
             ttl_s=ttl_s,
             fraction=fraction,
             on_superseded=on_superseded,
+            logger=logger,
+            close_timeout_s=close_timeout_s,
+            wait=wait,
         )
 
     def publish(self, client: RegistryClient | None = None) -> bool:

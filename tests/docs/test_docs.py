@@ -204,14 +204,73 @@ def test_configuration_lists_every_service_setting_with_variable_flag_and_defaul
     assert not problems, f"{rel(CONFIGURATION_MD)} vs app/settings.py:\n" + "\n".join(problems)
 
 
+def worker_settings() -> list[type]:
+    from workers.settings import DecodeSettings, PrefillSettings, WorkerSettings
+
+    return [WorkerSettings, PrefillSettings, DecodeSettings]
+
+
+def check_settings_table(
+    classes: list[type], header: list[str], *, flags: bool, where: str
+) -> list[str]:
+    """Every field of ``classes`` has a row (its variable) in a table with ``header``, naming
+    its flags and showing its default when it has a concrete one; no row names a variable
+    that is no field."""
+    from workers import config
+    from workers.settings import FLAG_ALIASES
+
+    rows = table_rows(CONFIGURATION_MD, header)
+    problems, known = [], set()
+    prefix = classes[0].model_config["env_prefix"]
+    for cls in classes:
+        for name, field in cls.model_fields.items():
+            variable = config.env_name(cls, name)
+            known.add(variable)
+            row = rows.get(variable)
+            if row is None:
+                problems.append(f"{where} {cls.__name__}.{name}: no row for `{variable}`")
+                continue
+            for flag in config.flag_names(name, FLAG_ALIASES) if flags else []:
+                if f"`{flag}`" not in row[1]:
+                    problems.append(f"{where} row `{variable}` does not name its flag {flag}")
+            concrete = field.default not in (None, "") and not field.is_required()
+            if concrete and row[-2].strip("`") not in shown_defaults(field.default):
+                problems.append(
+                    f"{where} row `{variable}` shows default {row[-2]}, the code has "
+                    f"{field.default!r}"
+                )
+            if not row[-1]:
+                problems.append(f"{where} row `{variable}` has no meaning")
+    stale = sorted(v for v in rows if v.startswith(prefix) and v not in known)
+    problems += [f"`{v}` is documented in the {where} table but is no setting" for v in stale]
+    return problems
+
+
+def test_configuration_lists_every_worker_and_plugin_setting() -> None:
+    from workers.vllm_plugin.settings import PluginSettings
+
+    header = ["variable", "flag", "default", "meaning"]
+    problems = check_settings_table(worker_settings(), header, flags=True, where="workers")
+    plugin = ["variable", "default", "meaning"]
+    problems += check_settings_table([PluginSettings], plugin, flags=False, where="plugin")
+    assert not problems, f"{rel(CONFIGURATION_MD)} vs the settings classes:\n" + "\n".join(problems)
+
+
 _WORKER_VARIABLE = re.compile(r"\b(?:ENGINE_REGISTRY|WORKERS)_[A-Z0-9]+(?:_[A-Z0-9]+)*\b")
 _ENVIRON_GET = re.compile(r"""os\.environ(?:\.get\(|\[)\s*["']([A-Z][A-Z0-9_]*)["']""")
 
 
 def variables_read() -> dict[str, set[str]]:
     """Environment variables named in the code: every ENGINE_REGISTRY_*/WORKERS_* name in
-    workers/, and every variable app/cli.py reads; each with the files naming it."""
+    workers/, every field of the workers' and the plugin's settings classes, and every
+    variable app/cli.py reads; each with the files naming it."""
+    from workers import config
+    from workers.vllm_plugin.settings import PluginSettings
+
     found: dict[str, set[str]] = {}
+    for cls in [*worker_settings(), PluginSettings]:
+        for name in cls.model_fields:
+            found.setdefault(config.env_name(cls, name), set()).add(cls.__name__)
     for path in sorted((ROOT / "workers").rglob("*.py")):
         for name in _WORKER_VARIABLE.findall(path.read_text()):
             found.setdefault(name, set()).add(rel(path))
@@ -238,9 +297,16 @@ _ADD_ARGUMENT = re.compile(r"""add_argument\(\s*["'](--[a-z0-9][a-z0-9-]*)["']""
 
 
 def flags_of_cli() -> dict[str, set[str]]:
-    """The flags of the worker entrypoints (workers/*.py) and of `engine-registry`'s
-    subcommands, each with where it is defined."""
+    """The flags of the worker entrypoints (their settings' fields) and tools (workers/**.py),
+    and of `engine-registry`'s subcommands, each with where it is defined."""
+    from workers import config
+    from workers.settings import FLAG_ALIASES
+
     found: dict[str, set[str]] = {}
+    for cls in worker_settings():
+        for name in cls.model_fields:
+            for flag in config.flag_names(name, FLAG_ALIASES):
+                found.setdefault(flag, set()).add(cls.__name__)
     for path in sorted((ROOT / "workers").rglob("*.py")):
         for flag in _ADD_ARGUMENT.findall(path.read_text()):
             found.setdefault(flag, set()).add(rel(path))

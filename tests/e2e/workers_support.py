@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from workers.tools.procs import Proc
+from workers.tools.procs import free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,20 +28,12 @@ SMALL_LAYOUT = [
 ]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Launch:
-    """One torchrun invocation, logging to a file."""
+class Launch(Proc):
+    """One torchrun invocation, logging to a file (its own, emptied)."""
 
     def __init__(
         self, name: str, cmd: list[str], log_path: Path, extra_env: Mapping[str, str] | None = None
     ) -> None:
-        self.name = name
-        self.log_path = log_path
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -49,39 +41,19 @@ class Launch:
             "PYTHONPATH": str(ROOT),
             **(extra_env or {}),
         }
-        with log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+        log_path.write_bytes(b"")
+        super().__init__(name, cmd, env, log_path)
 
     def wait(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        """The exit status; a launch still running after `timeout_s` is stopped and fails."""
+        code = super().wait(timeout_s)
+        if code is None:
             self.stop()
-            raise AssertionError(
-                f"{self.name} still running after {timeout_s}s:\n{self.tail()}"
-            ) from None
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            with suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the session (torchrun forwards it), SIGKILL after `grace_s`."""
-        if self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
+            raise AssertionError(f"{self.name} still running after {timeout_s}s:\n{self.tail()}")
+        return code
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        return self.text()
 
     def tail(self, lines: int = 40) -> str:
         kept = [line for line in self.log().splitlines() if "NIXL INFO" not in line]

@@ -4,7 +4,6 @@ and read over it with their certificates."""
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import ssl
@@ -104,10 +103,12 @@ def test_the_worker_library_registers_over_mutual_tls(
 def test_the_vllm_plugin_registers_over_mutual_tls(
     mutual_server: RegistryProcess, pki: Pki, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The plugin's settings, first-process token check and lease (Registration), as vLLM's
-    processes run them, against the real registry; no vLLM is started."""
-    from workers.vllm_plugin import hook
-    from workers.vllm_plugin.registration import Registration
+    """The plugin's settings, first-process token check and lease (the shared Publication,
+    as the plugin's worker side runs it), against the real registry; no vLLM is started."""
+    from workers.models import EngineIdentity
+    from workers.publication import Publication
+    from workers.vllm_plugin import common, hook
+    from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
 
     group = f"vllm-tls-{uuid.uuid4().hex[:8]}"
     for name, value in {
@@ -120,34 +121,37 @@ def test_the_vllm_plugin_registers_over_mutual_tls(
         "ENGINE_REGISTRY_KEY": str(pki.client_key),
     }.items():
         monkeypatch.setenv(name, value)
-    settings = hook.Settings.from_env()
+    settings = PluginSettings.from_env()
     hook.check_token(settings)  # refuses the launch only on 401/403
-    with hook._client(settings) as client:
+    with common.client(settings) as client:
         engine, _ = client.open_engine(
             group, launch_id=settings.launch_id, tp_size=1, role="prefill"
         )
-    body = {
-        "engine_id": engine.engine_id,
-        "agent_name": f"{engine.engine_id}-rank0",
-        "agent_metadata": base64.b64encode(b"nixl").decode(),
-        "host": "10.0.0.7",
-        "kv": KV.to_json(),
-    }
-    registration = Registration(hook._client(settings), settings.ttl_s, group, 0, body)
-    registration.start()
-    with hook._client(settings) as client:
+    identity = EngineIdentity(
+        group, engine.engine_id, engine.generation, settings.urls, settings.launch_id
+    )
+    publication = Publication(
+        lambda: common.client(settings), identity, 0, agent_name=f"{engine.engine_id}-rank0",
+        metadata=b"nixl", host="10.0.0.7", kv=KV, ttl_s=settings.ttl_s,
+    )  # fmt: skip
+    publication.publish()
+    publication.start()
+    with common.client(settings) as client:
         assert client.get_engine(group).registered_ranks == [0]
-        registration.close()
+        publication.close()
         assert client.get_engine(group).registered_ranks == []
     # Without its certificate the plugin fails at start, naming its own variable.
     monkeypatch.delenv("ENGINE_REGISTRY_CERT")
     monkeypatch.delenv("ENGINE_REGISTRY_KEY")
-    with hook._client(hook.Settings.from_env()) as client, pytest.raises(RegistryTLSError) as info:
+    with (
+        common.client(PluginSettings.from_env()) as client,
+        pytest.raises(RegistryTLSError) as info,
+    ):
         client.get_engine(group)
     assert "ENGINE_REGISTRY_CERT" in str(info.value)
     monkeypatch.setenv("ENGINE_REGISTRY_CA", str(pki.ca.parent / "absent.pem"))
-    with pytest.raises(hook.PluginConfigError, match="ENGINE_REGISTRY_CA"):
-        hook.Settings.from_env()
+    with pytest.raises(PluginConfigError, match="ENGINE_REGISTRY_CA"):
+        PluginSettings.from_env()
 
 
 def test_probe_and_status_over_mutual_tls(mutual_server: RegistryProcess, pki: Pki) -> None:

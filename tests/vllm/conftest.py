@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers import cpu_amx
-from workers.vllm_launch import VLLM_VENV, Registry, build_model
+from workers.tools import cpu_amx
+from workers.tools.vllm_launch import VLLM_VENV, Registry, build_model
 
 FIGURES: dict[str, float] = {}
 # What machine and which CPU kernels a run covered (the tests add vLLM's attention ISA).

@@ -1,7 +1,7 @@
-"""workers.cpu_amx on this machine, in fresh processes (no vLLM needed).
+"""workers.tools.cpu_amx on this machine, in fresh processes (no vLLM needed).
 
 On an AMX machine: a fresh process lacks the permission, `request()` gets it, a fork keeps
-it and an exec loses it (why `workers.vllm_serve` asks at import, in every spawned process).
+it and an exec loses it (why `workers.tools.vllm_serve` asks at import, in every spawned process).
 Elsewhere: nothing is offered and `request()` changes nothing.
 """
 
@@ -12,14 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workers import cpu_amx
+from workers.tools import cpu_amx
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, os, subprocess, sys
 from dataclasses import asdict
-from workers import cpu_amx
+from workers.tools import cpu_amx
 before = cpu_amx.state().permitted
 after = cpu_amx.request()
 r, w = os.pipe()
@@ -29,7 +29,7 @@ if os.fork() == 0:
 os.wait()
 forked = os.read(r, 1) == b"1"
 execed = subprocess.run(
-    [sys.executable, "-c", "from workers import cpu_amx; print(cpu_amx.state().permitted)"],
+    [sys.executable, "-c", "from workers.tools import cpu_amx; print(cpu_amx.state().permitted)"],
     capture_output=True, text=True, check=True,
 ).stdout.strip() == "True"
 print(json.dumps({"before": before, "after": asdict(after), "fork": forked, "exec": execed}))
@@ -68,7 +68,7 @@ def test_request_gets_the_permission_where_offered_and_only_fork_keeps_it() -> N
 
 def test_the_cli_reports_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "workers.cpu_amx"], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "workers.tools.cpu_amx"], cwd=ROOT, capture_output=True, text=True,
         timeout=60, check=True,
     )  # fmt: skip
     report = json.loads(out.stdout)

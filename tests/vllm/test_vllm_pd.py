@@ -4,7 +4,7 @@ vLLM's own engine_id broadcast is switched off on the prefill nodes (tests/vllm/
 before its fix"). One decode instance (TP 1, plugin active) serves the whole module; prefill
 instances come and go. The tests run in file order and share `_Shared`. The registry runs with
 tokens, as in production: the plugin holds a worker token, the tests read with a reader one.
-Every PD request has a deadline (`workers.vllm_pd`): past it, the failure shows decode's log.
+Every PD request has a deadline (`workers.tools.vllm_pd`): past it, the failure shows decode's log.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from tests.vllm.conftest import FIGURES, MACHINE
-from workers import cpu_amx
 from workers.client import RegistryClient
 from workers.errors import EngineSuperseded
-from workers.vllm_launch import ROOT, Instance, Registry
-from workers.vllm_pd import complete, nixl_transfers, pd_complete
+from workers.tools import cpu_amx
+from workers.tools.vllm_launch import ROOT, Instance, Registry
+from workers.tools.vllm_pd import complete, nixl_transfers, pd_complete
 from workers.vllm_plugin.resolve import resolve_remote_engine, split_dp_suffix
 
 NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "vllm" / "nofix")}
@@ -267,7 +267,7 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
 
 
 def _amx_holders(instance: Instance) -> list[int]:
-    """Per node, how many processes said they hold AMX permission (workers.vllm_serve)."""
+    """Per node, how many processes said they hold AMX permission (workers.tools.vllm_serve)."""
     return [len({int(pid) for pid in AMX_HELD.findall(text)}) for text in instance.logs()]
 
 

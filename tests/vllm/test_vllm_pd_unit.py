@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from workers.vllm_pd import PDTimeout, Proxy, pd_complete
+from workers.tools.vllm_pd import PDTimeout, Proxy, pd_complete
 
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [1], "remote_port": 1}
 

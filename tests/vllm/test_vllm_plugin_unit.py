@@ -9,12 +9,14 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from workers import vllm_plugin
-from workers.vllm_plugin import hook
+from workers.vllm_plugin import common, hook
 from workers.vllm_plugin.resolve import split_dp_suffix
+from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
 
 
 def test_dormant_without_a_registry_url(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,7 +28,7 @@ def test_dormant_without_a_registry_url(monkeypatch: pytest.MonkeyPatch) -> None
         "import os, sys; before = dict(os.environ);"
         "import workers.vllm_plugin as p; p.register();"
         "bad = sorted(m for m in sys.modules"
-        " if m.startswith(('vllm', 'workers.vllm_plugin.hook')));"
+        " if m.startswith(('vllm', 'workers.vllm_plugin.', 'workers.identity', 'torch')));"
         "changed = sorted(k for k in set(before) | set(os.environ)"
         " if before.get(k) != os.environ.get(k));"
         "print(bad, changed); sys.exit(1 if bad or changed else 0)"
@@ -53,20 +55,58 @@ def test_active_without_a_group_is_an_error(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("ENGINE_REGISTRY_URL", "http://127.0.0.1:1")
     monkeypatch.delenv("ENGINE_REGISTRY_GROUP", raising=False)
     monkeypatch.setenv("ENGINE_REGISTRY_LAUNCH_ID", "x")
-    with pytest.raises(hook.PluginConfigError, match="ENGINE_REGISTRY_GROUP"):
-        hook.Settings.from_env()
+    with pytest.raises(PluginConfigError, match="ENGINE_REGISTRY_GROUP"):
+        PluginSettings.from_env()
     monkeypatch.setenv("ENGINE_REGISTRY_GROUP", "prefill-0")
     monkeypatch.setenv("ENGINE_REGISTRY_ROLE", "producer")
-    with pytest.raises(hook.PluginConfigError, match="prefill, decode or both"):
-        hook.Settings.from_env()
+    with pytest.raises(PluginConfigError, match="prefill, decode or both"):
+        PluginSettings.from_env()
     monkeypatch.setenv("ENGINE_REGISTRY_ROLE", "decode")
-    settings = hook.Settings.from_env()
+    settings = PluginSettings.from_env()
     assert (settings.group, settings.role, settings.ttl_s) == ("prefill-0", "decode", 30)
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("ENGINE_REGISTRY_TTL_S", "30s", "whole seconds, 5-3600"),
+        ("ENGINE_REGISTRY_TTL_S", "2", "greater than or equal to 5"),
+        ("ENGINE_REGISTRY_TIMEOUT_S", "soon", "seconds > 0"),
+        ("ENGINE_REGISTRY_REFUSE_EXIT_S", "-1", ">= 0"),
+    ],
+)
+def test_a_bad_value_names_the_variable_the_value_and_the_form_expected(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, expected: str
+) -> None:
+    monkeypatch.setenv("ENGINE_REGISTRY_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("ENGINE_REGISTRY_GROUP", "prefill-0")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(PluginConfigError) as info:
+        PluginSettings.from_env()
+    message = str(info.value)
+    assert f"{variable}={value!r}" in message
+    assert expected in message
+
+
+def test_the_token_may_come_from_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ENGINE_REGISTRY_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("ENGINE_REGISTRY_GROUP", "prefill-0")
+    monkeypatch.delenv("ENGINE_REGISTRY_TOKEN", raising=False)
+    secret = tmp_path / "token"
+    secret.write_text("w" * 24 + "\n")
+    monkeypatch.setenv("ENGINE_REGISTRY_TOKEN_FILE", str(secret))
+    assert PluginSettings.from_env().token == "w" * 24
+    monkeypatch.setenv("ENGINE_REGISTRY_TOKEN", "v" * 24)  # the variable wins over the file
+    assert PluginSettings.from_env().token == "v" * 24
+    monkeypatch.delenv("ENGINE_REGISTRY_TOKEN")
+    monkeypatch.setenv("ENGINE_REGISTRY_TOKEN_FILE", "/nonexistent/token")
+    with pytest.raises(PluginConfigError, match="ENGINE_REGISTRY_TOKEN_FILE /nonexistent/token"):
+        PluginSettings.from_env()
+
+
 def test_data_parallel_ids_follow_vllms_suffix() -> None:
-    assert hook._vllm_engine_id("abc", 1, 0) == "abc"
-    assert hook._vllm_engine_id("abc", 4, 2) == "abc_dp2"
+    assert common.vllm_engine_id("abc", 1, 0) == "abc"
+    assert common.vllm_engine_id("abc", 4, 2) == "abc_dp2"
     assert split_dp_suffix("abc_dp2") == ("abc", 2)
     assert split_dp_suffix("5b0c1f7e-2a55-4d8e-9d0e-0f6c3f1b8a11") == (
         "5b0c1f7e-2a55-4d8e-9d0e-0f6c3f1b8a11",
@@ -96,15 +136,15 @@ def test_the_first_process_refuses_a_token_the_registry_refuses(status: int) -> 
     handler = type("Answer", (_Answer,), {"status": status})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    settings = hook.Settings(
-        urls=f"http://127.0.0.1:{server.server_port}", group="g", token="wrong-token-xxxxxxxx",
-        role=None, ttl_s=30, timeout_s=5, launch_id="l",
+    settings = PluginSettings(
+        url=f"http://127.0.0.1:{server.server_port}", group="g", token="wrong-token-xxxxxxxx",
+        timeout_s=5, launch_id="l",
     )  # fmt: skip
     try:
         if status == 404:  # no engine yet: the token was accepted, nothing to refuse
             hook.check_token(settings)
             return
-        with pytest.raises(hook.PluginConfigError) as info:
+        with pytest.raises(PluginConfigError) as info:
             hook.check_token(settings)
         for words in ("refuses to start: unauthorized", "ENGINE_REGISTRY_TOKEN", "worker role"):
             assert words in str(info.value)

@@ -3,25 +3,19 @@ and the publication's heartbeat rules against scripted registry answers."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Callable
 
-import httpx
 import pytest
 import torch
 
-from workers.client import RegistryClient
 from workers.endpoint import (
     NixlEndpoint,
-    Publication,
     RemoteRead,
     advertise_host,
     check_host_for_group,
 )
-from workers.errors import EngineIdMismatch, TransferError
-from workers.identity import EngineIdentity
+from workers.errors import TransferError
 from workers.kv import KvLayout, fill, kv_spec, plan_reads, verify
 from workers.models import KvSpec, Target
 
@@ -120,85 +114,3 @@ def test_loopback_is_refused_when_the_group_spans_machines() -> None:
     check_host_for_group("10.0.0.1", ["node-a", "node-b"])
     with pytest.raises(ValueError, match="spans hosts"):
         check_host_for_group("127.0.0.1", ["node-a", "node-b"])
-
-
-IDENTITY = EngineIdentity("g", "e1", 1, "http://registry", "l", "registry")
-
-
-class ScriptedRegistry:
-    """Answers heartbeats from a script; records every request."""
-
-    def __init__(self, heartbeat_answers: list[httpx.Response]) -> None:
-        self.heartbeats = heartbeat_answers
-        self.requests: list[tuple[str, str]] = []
-        self.lock = threading.Lock()
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        with self.lock:
-            self.requests.append((request.method, request.url.path))
-            if request.method == "PUT":
-                body = json.loads(request.content)
-                return httpx.Response(201, json={"agent_name": body["agent_name"]})
-            if request.method == "DELETE":
-                return httpx.Response(204)
-            if len(self.heartbeats) > 1:
-                return self.heartbeats.pop(0)
-            return self.heartbeats[0]
-
-    def count(self, method: str) -> int:
-        with self.lock:
-            return sum(1 for m, _ in self.requests if m == method)
-
-
-def publication(registry: ScriptedRegistry, **kw: object) -> Publication:
-    def make() -> RegistryClient:
-        return RegistryClient("http://registry", transport=httpx.MockTransport(registry))
-
-    return Publication(
-        make, IDENTITY, 0, agent_name="e1-rank0", metadata=b"md", host="127.0.0.1",
-        kv=KvSpec("DRAM", 0, [1], 1, 1), ttl_s=5, fraction=0.01, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
-def problem(status: int, code: str, **extra: object) -> httpx.Response:
-    body = {"title": code, "status": status, "detail": code, "code": code, **extra}
-    return httpx.Response(status, content=json.dumps(body))
-
-
-def test_heartbeats_renew_the_lease_and_close_deregisters() -> None:
-    registry = ScriptedRegistry([httpx.Response(200, json={"expires_at": "t"})])
-    pub = publication(registry)
-    assert pub.publish()
-    pub.start()
-    assert wait_until(lambda: registry.count("POST") >= 3)
-    pub.close()
-    assert registry.requests[-1] == ("DELETE", "/tp-groups/g/engine/agents/0")
-    assert not pub.superseded.is_set()
-
-
-def test_a_404_heartbeat_registers_the_agent_again() -> None:
-    registry = ScriptedRegistry(
-        [problem(404, "not_found"), httpx.Response(200, json={"expires_at": "t"})]
-    )
-    pub = publication(registry)
-    pub.start()
-    try:
-        assert wait_until(lambda: pub.reregistrations == 1)
-        assert registry.count("PUT") == 1
-    finally:
-        pub.close()
-
-
-def test_a_409_heartbeat_stops_loudly_and_never_deregisters(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    registry = ScriptedRegistry([problem(409, "engine_id_mismatch", cause="superseded")])
-    seen: list[EngineIdMismatch] = []
-    pub = publication(registry, on_superseded=seen.append)
-    pub.start()
-    assert pub.superseded.wait(5)
-    pub.close()
-    assert seen[0].cause == "superseded"
-    assert registry.count("POST") == 1
-    assert registry.count("DELETE") == 0
-    assert "IS SUPERSEDED" in caplog.text

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from workers import identity
 from workers.client import RegistryClient
 from workers.errors import EngineIdentityError
 from workers.identity import EngineIdentity
+from workers.tools.procs import free_port
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -45,9 +45,7 @@ def client_for(handler: Handler, timeout_s: float = 2.0) -> RegistryClient:
 
 @pytest.fixture
 def one_rank_world() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield

@@ -5,7 +5,8 @@ workers.vllm_plugin:register`. vLLM calls `register()` in every process it start
 server, the engine core, each worker). Importing this module is cheap and never fails (vLLM
 only logs an import error); everything that needs vLLM happens inside `register()`.
 
-Dormant unless `ENGINE_REGISTRY_URL` is set. When active (see `workers.vllm_plugin.hook`):
+Dormant unless `ENGINE_REGISTRY_URL` is set. When active (`hook` patches the connector
+factory; `worker_side` and `scheduler_side` are the two halves, as in vLLM's NIXL connector):
 
 - every worker, before its KV connector is made: TP rank 0 opens the engine of this launch,
   every rank fetches it and cross-verifies over vLLM's own TP group (the model-parallel world
@@ -16,17 +17,19 @@ Dormant unless `ENGINE_REGISTRY_URL` is set. When active (see `workers.vllm_plug
 - after the KV caches are registered, each rank registers its NIXL agent (name, metadata, KV
   layout, side channel) with a lease, renews it, and deregisters on shutdown.
 
-Environment:
+Environment (`workers.vllm_plugin.settings.PluginSettings`; a bad value stops the start
+naming the variable, the value and the form expected):
 
     ENGINE_REGISTRY_URL      registry URL(s), comma-separated replicas (activates the plugin)
     ENGINE_REGISTRY_GROUP    the TP group id (required when active); "-dp{rank}" is appended
                              per data-parallel rank
     ENGINE_REGISTRY_TOKEN    bearer token with the worker role (optional)
+    ENGINE_REGISTRY_TOKEN_FILE  a file whose first line is the token (when no token is set)
     ENGINE_REGISTRY_CA       PEM CA bundle for https:// URLs (default: the system store)
     ENGINE_REGISTRY_CERT, ENGINE_REGISTRY_KEY  client certificate and key (mutual TLS)
     ENGINE_REGISTRY_ROLE     prefill | decode | both (default from kv_role: kv_producer ->
                              prefill, kv_consumer -> decode, kv_both -> both)
-    ENGINE_REGISTRY_TTL_S    agent lease in seconds (default 30; renewed every ttl/3)
+    ENGINE_REGISTRY_TTL_S    agent lease in seconds, 5-3600 (default 30; renewed every ttl/3)
     ENGINE_REGISTRY_TIMEOUT_S  deadline of each registry call at start (default 30)
     ENGINE_REGISTRY_REFUSE_EXIT_S  a worker that refused its identity exits this many seconds
                              after raising (default 10), so headless nodes stop too

@@ -1,4 +1,5 @@
-"""`python -m workers.vllm_launch`: a PD deployment of real vLLM from one command, on loopback.
+"""`python -m workers.tools.vllm_launch`: a PD deployment of real vLLM from one command,
+on loopback.
 
 Starts, in `.venv-vllm` (scripts/setup-vllm.sh):
 
@@ -9,7 +10,7 @@ Starts, in `.venv-vllm` (scripts/setup-vllm.sh):
    prefill with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then to
    decode with the `kv_transfer_params` prefill answered, so decode pulls the KV over NIXL;
 
-with the tiny Llama built offline (`workers.vllm_model`), NixlConnector with its KV buffer in
+with the tiny Llama built offline (`workers.tools.vllm_model`), NixlConnector with its KV buffer in
 DRAM, and the engine-registry vLLM plugin active on every instance (`--no-registry` leaves it
 dormant). It sends one request through the proxy, prints the registry's view, and serves until
 Ctrl-C (`--once`: exits after that request). Every child runs in its own process group and is
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -37,17 +37,15 @@ from typing import Any
 
 import httpx
 
-from workers.vllm_pd import Proxy, nixl_transfers
-from workers.vllm_procs import (
+from workers.tools.procs import ROOT, Proc, free_port
+from workers.tools.vllm_pd import Proxy, nixl_transfers
+from workers.tools.vllm_procs import (
     KV_TRANSFER_CONFIG,
     ROLES,
-    ROOT,
     VLLM_VENV,
-    Proc,
     Registry,
     Tokens,
     base_env,
-    free_port,
     say,
     vllm_python,
 )
@@ -87,7 +85,7 @@ class Instance:
 
     def _cmd(self, node: int) -> list[str]:
         cmd = [
-            vllm_python(), "-m", "workers.vllm_serve", "serve", str(self.model),
+            vllm_python(), "-m", "workers.tools.vllm_serve", "serve", str(self.model),
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
             # 64 blocks of 128 tokens: enough for 8 x 512 tokens. The 1 GiB minimum of
@@ -159,9 +157,7 @@ class Instance:
     def stop(self) -> None:
         # Headless nodes first would leave node 0 waiting in a collective; stop all at once.
         for proc in self.procs:
-            if proc.alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
+            proc.signal(signal.SIGTERM)
         for proc in self.procs:
             proc.stop(grace_s=15.0)
         self.procs = []
@@ -174,7 +170,7 @@ def build_model(workdir: Path) -> Path:
     """The tiny Llama, built by the vLLM environment's interpreter (it has transformers)."""
     path = workdir / "tiny-llama"
     subprocess.run(
-        [vllm_python(), "-m", "workers.vllm_model", str(path)],
+        [vllm_python(), "-m", "workers.tools.vllm_model", str(path)],
         cwd=ROOT,
         env=base_env(),
         check=True,
@@ -198,7 +194,7 @@ def show_registry(registry: Registry) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m workers.vllm_launch",
+        prog="python -m workers.tools.vllm_launch",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

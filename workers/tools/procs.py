@@ -1,0 +1,214 @@
+"""Process helpers shared by the tests, the benchmarks, the demo and the vLLM launcher: one
+`free_port`, one way to run a registry (`engine-registry serve`) as a process, and `Proc`, a
+child in its own process group logging to a file (vLLM nodes, torchrun launches).
+
+`RegistryProcess` starts `python -m app serve` on a port (a free loopback one unless given),
+waits for `/healthz` to answer 200 within a deadline (failing at once, with the log's tail,
+if the process exits first), and stops it: SIGTERM, then SIGKILL after a grace period. It
+can be killed with any signal and started again on the same port and store (a restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path | None, chars: int = 2000) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    return path.read_text(errors="replace")[-chars:]
+
+
+class Proc:
+    """One child in its own process group, logging to a file; stopped as a group."""
+
+    def __init__(
+        self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path, *,
+        cwd: Path = ROOT,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.cmd = list(cmd)
+        self.log_path = log
+        with open(log, "ab") as out:  # the child keeps its own descriptor
+            self.popen = subprocess.Popen(
+                self.cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The exit status, or None if it still runs after `timeout_s`."""
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the whole group (torchrun, vLLM: their children too)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group, SIGKILL after `grace_s`; children left behind go too."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            if self.wait(grace_s) is None:
+                self.signal(signal.SIGKILL)
+                self.wait(5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
+
+class RegistryProcess:
+    """One ``engine-registry serve`` (``python -m app serve``) process on a fixed port."""
+
+    def __init__(
+        self,
+        store: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+        prefix: Sequence[str] = (),
+        python: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        cwd: Path = ROOT,
+        new_session: bool = False,
+        scheme: str = "http",
+        verify: ssl.SSLContext | str | bool = True,
+        poll_s: float = 0.05,
+    ) -> None:
+        """``args``: more ``serve`` flags. ``env``: variables over ``environ`` (default: this
+        process's environment). ``prefix``: a command that runs the server (``prlimit
+        --nofile=1024:1024``, say). ``python``: the interpreter (default: this one).
+        ``new_session``: its own process group, stopped as a group. ``scheme``/``verify``:
+        how ``/healthz`` is reached (``https`` and a CA file for a TLS registry)."""
+        self.store = store
+        self.host = host
+        self.port = port or free_port(host)
+        self.args = list(args)
+        self.env = dict(env or {})
+        self.environ = dict(os.environ if environ is None else environ)
+        self.log_path = log_path
+        self.prefix = list(prefix)
+        self.python = python or sys.executable
+        self.cwd = cwd
+        self.new_session = new_session
+        self.scheme = scheme
+        self.verify = verify
+        self.poll_s = poll_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: BinaryIO | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the registry process is not running: call start() first")
+        return self.proc.pid
+
+    def command(self) -> list[str]:
+        return [
+            *self.prefix, self.python, "-m", "app", "serve",
+            "--host", self.host, "--port", str(self.port), "--store", self.store, *self.args,
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 60.0) -> RegistryProcess:
+        """Start it and wait until ``/healthz`` answers 200, at most ``timeout_s``."""
+        env = {**self.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        cmd = self.command()
+        self._close_log()
+        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        log = self._log or subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            cmd, cwd=self.cwd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            start_new_session=self.new_session,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self._close_log()
+                raise RuntimeError(f"registry exited with {code}: {cmd}\n{log_tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                answer = httpx.get(f"{self.url}/healthz", timeout=1.0, verify=self.verify)
+                if answer.status_code == 200:
+                    return self
+            time.sleep(self.poll_s)
+        self.kill()
+        raise TimeoutError(
+            f"registry did not serve /healthz within {timeout_s} s: {cmd}\n"
+            f"{log_tail(self.log_path)}"
+        )
+
+    def _signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            if self.new_session:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+    def kill(self, sig: int = signal.SIGKILL, grace_s: float = 15.0) -> None:
+        """Send ``sig``, wait up to ``grace_s`` for the exit, then SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal(sig)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        self.proc = None
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self.kill(signal.SIGTERM, grace_s)
+
+    def __enter__(self) -> RegistryProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

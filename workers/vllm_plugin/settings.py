@@ -1,0 +1,109 @@
+"""The plugin's settings: `ENGINE_REGISTRY_*` variables, one pydantic-settings class.
+
+Read in every vLLM process the plugin is active in (`PluginSettings.from_env()`); a bad or
+missing value stops the start with `PluginConfigError`, naming the variable, the value and
+what is expected. A new setting is a new field (docs/configuration.md lists them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from workers.config import describe, read_token_file
+from workers.models import Role
+from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError
+from workers.vllm_plugin import ENV_URL as ENV_URL
+
+ENV_PREFIX = "ENGINE_REGISTRY_"
+ENV_GROUP = "ENGINE_REGISTRY_GROUP"
+ENV_TOKEN = "ENGINE_REGISTRY_TOKEN"
+ENV_TOKEN_FILE = "ENGINE_REGISTRY_TOKEN_FILE"
+ENV_ROLE = "ENGINE_REGISTRY_ROLE"
+ENV_TTL = "ENGINE_REGISTRY_TTL_S"
+ENV_TIMEOUT = "ENGINE_REGISTRY_TIMEOUT_S"
+ENV_LAUNCH = "ENGINE_REGISTRY_LAUNCH_ID"
+ENV_REFUSE_EXIT = "ENGINE_REGISTRY_REFUSE_EXIT_S"
+
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+
+
+class PluginConfigError(RuntimeError):
+    """The plugin is active but its environment is incomplete or wrong."""
+
+
+class PluginSettings(BaseSettings):
+    """Every `ENGINE_REGISTRY_*` variable the plugin reads, checked."""
+
+    _tls: ClientTLS = PrivateAttr(default_factory=ClientTLS)
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", env_ignore_empty=True, frozen=True
+    )
+
+    url: str = Field(
+        "", description="registry URL(s), comma-separated replicas (setting it activates)"
+    )
+    group: str = Field("", description="the TP group id (required when the plugin is active)")
+    token: str | None = Field(None, description="a bearer token with the worker role")
+    token_file: Path | None = Field(
+        None, description="a file whose first line is the token (read when no token is set)"
+    )
+    role: Role | None = Field(None, description="prefill, decode or both")
+    ttl_s: int = Field(30, ge=5, le=3600, description="the agent lease: whole seconds, 5-3600")
+    timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="each registry call's deadline at start: seconds > 0"
+    )
+    refuse_exit_s: float = Field(
+        10.0, ge=0, le=3600, description="seconds a refusing worker waits before it exits, >= 0"
+    )
+    launch_id: str = Field(
+        "", description="the launch's id; made up by its first process when unset"
+    )
+    ca: Path | None = Field(
+        None, description="PEM CA bundle for https:// URLs (default: the system trust store)"
+    )
+    cert: Path | None = Field(None, description="PEM client certificate (mutual TLS)")
+    key: Path | None = Field(None, description="PEM key of the client certificate")
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() not in ROLES:
+            raise ValueError("not a role")
+        return value.strip() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _complete(self) -> PluginSettings:
+        if self.url.strip() and not self.group.strip():
+            raise ValueError(
+                f"{ENV_URL} is set ({self.url}) but {ENV_GROUP} is not; name the TP group "
+                f"this instance serves (or unset {ENV_URL})"
+            )
+        if self.token is None and self.token_file is not None:
+            token = read_token_file(self.token_file, ENV_TOKEN_FILE)
+            object.__setattr__(self, "token", token)
+        try:  # files readable, a key with its certificate: checked once, at start
+            self._tls = ClientTLS(self.ca, self.cert, self.key, *VARS_OF_PLUGIN)
+        except TLSConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def tls(self) -> ClientTLS:
+        """HTTPS to the registry: ``ENGINE_REGISTRY_CA``, ``_CERT``, ``_KEY``."""
+        return self._tls
+
+    @property
+    def urls(self) -> str:
+        return self.url.strip()
+
+    @classmethod
+    def from_env(cls) -> PluginSettings:
+        try:
+            return cls()
+        except ValidationError as exc:
+            raise PluginConfigError(f"engine-registry plugin: {describe(exc, cls)}") from None
