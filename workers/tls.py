@@ -111,6 +111,20 @@ class ClientTLS:
         return f"check {self.ca_name}, {self.cert_name} and {self.key_name}"
 
 
+def checked(
+    ca: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    names: tuple[str, str, str] = VARS_OF_WORKERS,
+) -> ClientTLS:
+    """The client's TLS files, checked at start for a settings class's validator: a missing or
+    unreadable file, or a key without its certificate, is a ValueError naming the variable."""
+    try:
+        return ClientTLS(ca, cert, key, *names)
+    except TLSConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _readable(path: Path | None, name: str) -> None:
     if path is None:
         return
