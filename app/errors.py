@@ -28,6 +28,8 @@ degrades catches one class whether the store or the domain gave up.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from app.store.base import Unavailable
@@ -68,10 +70,38 @@ class HttpProblem(RegistryError):
         self.title = code.replace("_", " ").capitalize()
 
 
+FieldPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class FieldProblem:
+    """What is wrong with one input field, named as the domain knows it (``("rank",)``,
+    ``("agents", 3, "host")``). Where the field came from (the path or the body) is the HTTP
+    edge's knowledge: it adds that when it answers (:meth:`InvalidRequest.locate`)."""
+
+    field: FieldPath
+    msg: str
+    type: str
+
+
 class InvalidRequest(RegistryError):
     status = 422
     code = "invalid_request"
     title = "Invalid request"
+
+    def __init__(self, detail: str, *, fields: Sequence[FieldProblem] = (), **extras: Any) -> None:
+        super().__init__(detail, **extras)
+        self.fields = list(fields)
+
+    def locate(self, path_params: Collection[str]) -> None:
+        """The ``errors`` list of the answer: each field under ``path`` when the route takes it
+        in its path, else under ``body`` (errors the HTTP layer gave itself stay as given)."""
+        if self.fields and "errors" not in self.extras:
+            self.extras["errors"] = [
+                {"loc": ["path" if f.field[0] in path_params else "body", *f.field],
+                 "msg": f.msg, "type": f.type}
+                for f in self.fields
+            ]  # fmt: skip
 
 
 class Unauthorized(RegistryError):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import Scope, Send
 
-from app.errors import RegistryError, StoreUnavailable
+from app.errors import InvalidRequest, RegistryError, StoreUnavailable
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+_PARAM = re.compile(r"{(\w+)")  # a route template's path parameters
 
 
 def _instance(scope: Scope) -> str:
@@ -25,10 +27,18 @@ def _count(error: RegistryError, scope: Scope) -> None:
             registry.metrics.store_unavailable.inc()
 
 
+def _locate(error: RegistryError, scope: Scope) -> None:
+    """Say where a domain error's fields came from: the matched route's path parameters."""
+    if isinstance(error, InvalidRequest) and error.fields:
+        template = str(getattr(scope.get("route"), "path", ""))
+        error.locate(set(_PARAM.findall(template)))
+
+
 def problem_response(
     error: RegistryError, scope: Scope, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     _count(error, scope)
+    _locate(error, scope)
     return JSONResponse(
         error.problem(_instance(scope)),
         status_code=error.status,
@@ -44,6 +54,7 @@ async def send_problem(
     extra_headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     _count(error, scope)
+    _locate(error, scope)
     body = json.dumps(error.problem(_instance(scope)), separators=(",", ":")).encode()
     headers: list[tuple[bytes, bytes]] = [
         (b"content-type", PROBLEM_MEDIA_TYPE.encode()),

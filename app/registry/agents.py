@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 from app.errors import (
+    FieldPath,
+    FieldProblem,
     InvalidRequest,
     StoreUnavailable,
 )
@@ -114,7 +116,7 @@ class AgentsMixin(RegistryBase):
         raise StoreUnavailable(f"Deregistering rank {rank} of {gid!r} lost too many races.")
 
 
-def _check_reachable(host: str, client_host: str | None) -> None:
+def _check_reachable(host: str, client_host: str | None, field: FieldPath = ("host",)) -> None:
     """Refuse a loopback ``host`` from a rank that reached us over the network."""
     address = parse_host(host)
     if address is None or not address.is_loopback or client_host is None:
@@ -128,11 +130,5 @@ def _check_reachable(host: str, client_host: str | None) -> None:
             f"host {host!r} is a loopback address, but this rank reached the registry from "
             f"{client_host}: peers on other nodes cannot reach it there. Advertise the "
             "address of the interface that routes to the registry.",
-            errors=[
-                {
-                    "loc": ["body", "host"],
-                    "msg": "loopback host from a remote client",
-                    "type": "unreachable_host",
-                }
-            ],
+            fields=[FieldProblem(field, "loopback host from a remote client", "unreachable_host")],
         )

@@ -9,6 +9,8 @@ from typing import Any
 from app.errors import (
     EngineIdMismatch,
     EngineSuperseded,
+    FieldPath,
+    FieldProblem,
     InvalidRequest,
     NotFound,
 )
@@ -175,7 +177,7 @@ class RegistryBase:
     async def _current(self, gid: str, rank: int, engine_id: str) -> GroupState:
         state = await self._group(gid)
         if rank >= state.engine.tp_size:
-            raise outside_group(gid, rank, state.engine.tp_size, ["path", "rank"])
+            raise outside_group(gid, rank, state.engine.tp_size, ("rank",))
         if engine_id != state.engine.engine_id:
             raise await self._mismatch(state, rank, engine_id)
         return state
@@ -210,10 +212,10 @@ class RegistryBase:
 
 
 def outside_group(
-    gid: str, rank: int, tp_size: int, loc: list[str | int], where: str = "", after: str = ""
+    gid: str, rank: int, tp_size: int, field: FieldPath, where: str = "", after: str = ""
 ) -> InvalidRequest:
-    """The 422 for a rank at or past the group's tp_size (``loc``: where the rank was given)."""
+    """The 422 for a rank at or past the group's tp_size (``field``: where the rank was given)."""
     return InvalidRequest(
         f"rank {rank}{where} is outside group {gid!r} of tp_size {tp_size}{after}.",
-        errors=[{"loc": loc, "msg": f"must be below tp_size {tp_size}", "type": "less_than"}],
+        fields=[FieldProblem(field, f"must be below tp_size {tp_size}", "less_than")],
     )

@@ -30,8 +30,8 @@ class BatchesMixin(AgentsMixin):
     async def register_agents(
         self, gid: str, req: RegisterAgentsRequest, client_host: str | None
     ) -> Agents:
-        for item in req.agents:
-            _check_reachable(item.host, client_host)
+        for i, item in enumerate(req.agents):
+            _check_reachable(item.host, client_host, ("agents", i, "host"))
         blobs = [blob_of(item.agent_metadata) for item in req.agents]
         ttl_s = req.agents[0].ttl_s
         for _ in range(MAX_ATTEMPTS):
@@ -40,7 +40,7 @@ class BatchesMixin(AgentsMixin):
             for i, item in enumerate(req.agents):
                 if item.rank >= engine.tp_size:
                     raise outside_group(
-                        gid, item.rank, engine.tp_size, ["body", "agents", i, "rank"],
+                        gid, item.rank, engine.tp_size, ("agents", i, "rank"),
                         where=f" (agents[{i}])", after="; nothing of the batch was registered",
                     )  # fmt: skip
                 if item.engine_id != engine.engine_id:
@@ -91,7 +91,7 @@ class BatchesMixin(AgentsMixin):
         state = await self._group(gid)
         for rank in ranks:
             if rank >= state.engine.tp_size:
-                raise outside_group(gid, rank, state.engine.tp_size, ["body", "ranks"])
+                raise outside_group(gid, rank, state.engine.tp_size, ("ranks",))
         if engine_id != state.engine.engine_id:
             raise await self._mismatch(state, ranks[0], engine_id)
         absent = [r for r in ranks if r not in state.agents]

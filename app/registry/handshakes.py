@@ -7,6 +7,7 @@ from typing import Any
 
 from app import compat as compat_rules
 from app.errors import (
+    FieldProblem,
     Incompatible,
     InvalidRequest,
     NotReady,
@@ -38,7 +39,7 @@ class HandshakesMixin(RegistryBase):
                 f"decode TP {req.tp_size} cannot pair with prefill TP {engine.tp_size} of "
                 f"engine {engine_id}: {exc}. The larger TP size must be a multiple of the "
                 "smaller.",
-                errors=[{"loc": ["body", "tp_size"], "msg": str(exc), "type": "tp_ratio"}],
+                fields=[FieldProblem(("tp_size",), str(exc), "tp_ratio")],
             ) from None
         found: list[dict[str, Any]] = []
         if engine.role == "decode":

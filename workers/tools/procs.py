@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
+from typing import BinaryIO, Self
 
 import httpx
 
@@ -146,7 +146,7 @@ class RegistryProcess:
             "--host", self.host, "--port", str(self.port), "--store", self.store, *self.args,
         ]  # fmt: skip
 
-    def start(self, timeout_s: float = 60.0) -> RegistryProcess:
+    def start(self, timeout_s: float = 60.0) -> Self:
         """Start it and wait until ``/healthz`` answers 200, at most ``timeout_s``."""
         env = {**self.environ, "PYTHONUNBUFFERED": "1", **self.env}
         cmd = self.command()
@@ -202,7 +202,7 @@ class RegistryProcess:
     def stop(self, grace_s: float = 15.0) -> None:
         self.kill(signal.SIGTERM, grace_s)
 
-    def __enter__(self) -> RegistryProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(
