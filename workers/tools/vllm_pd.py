@@ -84,9 +84,11 @@ def complete(url: str, body: Mapping[str, Any], *, timeout_s: float = 120.0) -> 
         return http.post(f"{url}/v1/completions", json=dict(body))
 
 
-def nixl_transfers(decode_url: str) -> float:
-    """Decode's `vllm:nixl_xfer_time_seconds_count` (0 when absent)."""
-    text = httpx.get(f"{decode_url}/metrics", timeout=10.0).text
+def nixl_transfers(decode_url: str, timeout_s: float = 60.0) -> float:
+    """Decode's `vllm:nixl_xfer_time_seconds_count` (0 when absent). A generous deadline: on a
+    2-core machine decode's API server shares its cores with spinning vLLM workers (an idle
+    CPU decode worker spins at ~95% of its core) and answered /metrics after more than 10 s."""
+    text = httpx.get(f"{decode_url}/metrics", timeout=timeout_s).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith("vllm:nixl_xfer_time_seconds_count"):
