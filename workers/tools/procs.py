@@ -76,15 +76,17 @@ class Proc:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the group, SIGKILL after `grace_s`; children left behind go too."""
+    def stop(self, grace_s: float = 10.0, reap_s: float = 30.0) -> None:
+        """SIGTERM the group, SIGKILL after `grace_s`; children left behind go too. Then reap
+        the child (at most `reap_s`: a killed vLLM process frees gigabytes first), so no
+        `Popen` is collected while its process still runs."""
         if self.alive():
             self.signal(signal.SIGTERM)
             if self.wait(grace_s) is None:
                 self.signal(signal.SIGKILL)
-                self.wait(5)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
+        self.wait(reap_s)
 
 
 class RegistryProcess:
