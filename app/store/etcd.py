@@ -34,7 +34,7 @@ from aetcd.utils import prefix_range_end
 
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.etcd_cluster import Cluster
-from app.store.etcd_config import EtcdAccess, parse_url
+from app.store.etcd_config import EtcdAccess, EtcdUrl, parse_url
 from app.store.etcd_state import LeaseBook, WatchHub
 
 
@@ -57,9 +57,8 @@ class EtcdStore(Store):
             raise ValueError("EtcdStore needs at least one endpoint")
         self.endpoints = list(endpoints)
         self._root = f"/{prefix.strip('/')}/".encode()
-        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
         # Never any credentials: they come from files, not from the URL.
-        self.description = f"{'etcds' if tls else 'etcd'}://{hosts}/{prefix.strip('/')}"
+        self.description = EtcdUrl(self.endpoints, prefix.strip("/"), tls).describe()
         self._cluster = Cluster(
             self.endpoints,
             tls=tls,
