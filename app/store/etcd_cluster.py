@@ -15,7 +15,7 @@ from aetcd import rpc
 
 from app.store.base import Unavailable
 from app.store.etcd_config import EtcdAccess
-from app.store.etcd_conn import EtcdAccessError, EtcdAuthError, Member, check_members
+from app.store.etcd_conn import EtcdAccessError, EtcdAuthError, Member, Secrets, check_members
 
 T = TypeVar("T")
 
@@ -51,8 +51,17 @@ class Cluster:
         timeout_s: float,
         max_in_flight: int,
     ) -> None:
+        secrets = Secrets.read(access, tls)
         self.members = [
-            Member(h, p, tls=tls, access=access, timeout_s=timeout_s, options=_GRPC_OPTIONS)
+            Member(
+                h,
+                p,
+                tls=tls,
+                access=access,
+                secrets=secrets,
+                timeout_s=timeout_s,
+                options=_GRPC_OPTIONS,
+            )
             for h, p in endpoints
         ]
         self.preferred = 0

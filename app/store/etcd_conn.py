@@ -17,6 +17,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aetcd
@@ -88,6 +89,25 @@ class _Client(aetcd.Client):  # type: ignore[misc]
             await old.shutdown()
 
 
+@dataclass(frozen=True)
+class Secrets:
+    """What ``EtcdAccess`` names, read from its files once for every member."""
+
+    ca: bytes | None = None
+    key: bytes | None = None
+    cert: bytes | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def read(cls, access: EtcdAccess, tls: bool) -> Secrets:
+        if access.user and not tls:
+            raise ValueError("An etcd user needs TLS (etcds://): its token would cross in clear")
+        password = access.read_password() if access.user else None
+        if not tls:
+            return cls(password=password)
+        return cls(access.read_ca(), access.read_key(), access.read_cert(), password)
+
+
 class Member:
     """One etcd member as this store reaches it."""
 
@@ -98,23 +118,22 @@ class Member:
         *,
         tls: bool,
         access: EtcdAccess,
+        secrets: Secrets,
         timeout_s: float,
         options: dict[str, Any],
     ) -> None:
-        if access.user and not tls:
-            raise ValueError("An etcd user needs TLS (etcds://): its token would cross in clear")
         self.where = f"{host}:{port}"
         self._tls = tls
         self._access = access
         self._user = access.user
-        self._password = access.read_password() if access.user else None
+        self._password = secrets.password
         self._token = _Token()
         credentials = None
         if tls:
             credentials = grpc.ssl_channel_credentials(
-                root_certificates=access.read_ca(),
-                private_key=access.read_key(),
-                certificate_chain=access.read_cert(),
+                root_certificates=secrets.ca,
+                private_key=secrets.key,
+                certificate_chain=secrets.cert,
             )
             if self._user:
                 calls = grpc.metadata_call_credentials(self._token, name="etcd-token")
