@@ -57,10 +57,6 @@ class Observer:
         seen = self._agents.get(gid, {}).get(rank)
         return seen.host if seen is not None and seen.engine_id == engine_id else None
 
-    def not_ready_since(self, gid: str) -> float | None:
-        held = self._not_ready_since.get(gid)
-        return held[1] if held else None
-
     def observe(self, states: list[GroupState], now: float | None = None) -> None:
         now = time.time() if now is None else now
         agents: dict[str, dict[int, Seen]] = {}
