@@ -64,6 +64,11 @@ def parse_tokens(text: str, *, source: str) -> Tokens:
     return tokens
 
 
+def inline_tokens(text: str) -> Tokens:
+    """``REGISTRY_TOKENS``: ``role:token`` pairs separated by commas."""
+    return parse_tokens(text.replace(",", "\n"), source="REGISTRY_TOKENS")
+
+
 def load_tokens(path: Path) -> Tokens:
     try:
         text = path.read_text()

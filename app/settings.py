@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.auth import Tokens, load_tokens, parse_tokens
+from app.auth import Tokens, inline_tokens, load_tokens
 from app.store import EtcdAccess, check_store_url
 
 
@@ -154,5 +154,5 @@ class Settings(BaseSettings):
         if self.tokens_file is not None:
             tokens.update(load_tokens(self.tokens_file))
         if self.tokens:
-            tokens.update(parse_tokens(self.tokens.replace(",", "\n"), source="REGISTRY_TOKENS"))
+            tokens.update(inline_tokens(self.tokens))
         return tokens

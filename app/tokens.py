@@ -30,7 +30,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from app.auth import TokenFileError, Tokens, parse_tokens
+from app.auth import TokenFileError, Tokens, inline_tokens, parse_tokens
 
 log = logging.getLogger("app")
 
@@ -82,7 +82,7 @@ class TokenSource:
             tokens.update(parse_tokens(data.decode("utf-8", "replace"), source=str(self.path)))
             digest = hashlib.sha256(data).hexdigest()
         if self.inline:
-            tokens.update(parse_tokens(self.inline.replace(",", "\n"), source="REGISTRY_TOKENS"))
+            tokens.update(inline_tokens(self.inline))
         return TokenGeneration(tokens, number, datetime.now(UTC), digest, file_id)
 
     def reload(self, why: str) -> bool:
