@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.pki import Pki
 from tests.support.server import ROOT, RegistryProcess
-from tests.tls.conftest import READER, Pki, tokens_file
+from tests.tls.conftest import READER, tokens_file
 from workers.client import RegistryClient
 from workers.errors import RegistryUnavailable
 from workers.tls import ClientTLS, RegistryTLSError
