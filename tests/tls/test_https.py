@@ -110,7 +110,7 @@ def test_the_cli_names_the_url_and_the_flag_on_a_wrong_ca(
 def _read_all(conn: ssl.SSLSocket | socket.socket, deadline_s: float) -> bytes:
     """Everything until the peer closes, within ``deadline_s`` in all (not per read)."""
     deadline = time.monotonic() + deadline_s
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         conn.settimeout(max(deadline - time.monotonic(), 0.001))
         chunk = conn.recv(65536)  # socket.timeout (TimeoutError) once the deadline passes
