@@ -1,6 +1,6 @@
 """The registry as an app for Granian (``granian --interface asgi --factory
 bench.granian_app:app``), with the service's settings from its environment (``REGISTRY_*``):
-``bench/servers.py`` measures it against the registry's own uvicorn server."""
+``bench/lean.py`` measures it against the registry's own uvicorn server."""
 
 from __future__ import annotations
 

@@ -191,12 +191,8 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     for n, ours in s.get("registry_sqlite", {}).items():
         base = s.get("etcd_direct", {}).get(n)
         if base and "failed" not in base and "failed" not in ours:
-            ratio = ours["ranks_per_s"] / base["ranks_per_s"]
-            out.append(
-                (f"heavy storm: ranks/s ≥ etcd direct ({int(n):,} ranks)",
-                 f"{ours['ranks_per_s']:,.0f} vs {base['ranks_per_s']:,.0f} ranks/s",
-                 f"ratio {ratio:.2f}", ratio >= 1.0)
-            )  # fmt: skip
+            label = f"heavy storm: ranks/s ≥ etcd direct ({int(n):,} ranks)"
+            out.append(report_lean.vs_etcd(label, ours, base))
     out += _request_path_targets(results)
     h = results.get("handshake", {})
     for r in h.get("rows", []):

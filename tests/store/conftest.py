@@ -20,7 +20,8 @@ import pytest
 
 from app.store import EtcdAccess, Store
 from app.store.sqlite import SqliteStore
-from tests.support.etcd import SKIP_REASON, EtcdCluster, EtcdTls, etcd_available
+from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from tests.support.pki import Pki
 
 StoreFactory = Callable[[Path], AbstractAsyncContextManager[Store]]
 
@@ -52,7 +53,7 @@ class SecureEtcd:
     """One etcd with TLS, client certificates and auth, for the whole session."""
 
     def __init__(self, root: Path) -> None:
-        self.tls = EtcdTls(root / "certs")
+        self.tls = Pki.make(root / "certs")
         self.cluster = EtcdCluster(root / "etcd", size=1, tls=self.tls, auth_token_ttl_s=1)
         self.cluster.start()
         try:

@@ -1,9 +1,9 @@
 """Real etcd for tests: Debian's ``etcd`` binary on loopback, one member or a cluster.
 
 Each member has its own free ports and data directory and can be killed (SIGKILL) and
-restarted on the same data, so tests can take a cluster below quorum and back. With
-:class:`EtcdTls` the members serve TLS to clients only (``--client-cert-auth``), with
-certificates made at test time (``trustme``); :meth:`EtcdCluster.enable_auth` turns on etcd's
+restarted on the same data, so tests can take a cluster below quorum and back. Given a
+:class:`~tests.support.pki.Pki` (certificates made at test time) the members serve TLS to
+clients only (``--client-cert-auth``); :meth:`EtcdCluster.enable_auth` turns on etcd's
 authentication with a user whose role covers one key prefix (``etcdctl``).
 """
 
@@ -23,6 +23,7 @@ from types import TracebackType
 
 import httpx
 
+from tests.support.pki import Pki
 from tests.support.server import free_port
 
 ETCD_BIN = os.environ.get("ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
@@ -35,38 +36,6 @@ SKIP_REASON = (
 
 def etcd_available() -> bool:
     return Path(ETCD_BIN).is_file() and os.access(ETCD_BIN, os.X_OK)
-
-
-class EtcdTls:
-    """A CA made now, etcd's server certificate (127.0.0.1, localhost) and a client
-    certificate, as files under ``root``; ``other_ca`` signed none of them."""
-
-    def __init__(self, root: Path, client_cn: str = "engine-registry") -> None:
-        import trustme
-
-        root.mkdir(parents=True, exist_ok=True)
-        ca = trustme.CA(organization_name="etcd test CA")
-        self.ca = root / "ca.pem"
-        self.server_cert, self.server_key = root / "server.pem", root / "server.key"
-        self.client_cert, self.client_key = root / "client.pem", root / "client.key"
-        self.other_ca = root / "other-ca.pem"
-        ca.cert_pem.write_to_path(str(self.ca))
-        server = ca.issue_cert("127.0.0.1", "localhost")
-        server.cert_chain_pems[0].write_to_path(str(self.server_cert))
-        server.private_key_pem.write_to_path(str(self.server_key))
-        client = ca.issue_cert(f"{client_cn}.client.test", common_name=client_cn)
-        client.cert_chain_pems[0].write_to_path(str(self.client_cert))
-        client.private_key_pem.write_to_path(str(self.client_key))
-        trustme.CA().cert_pem.write_to_path(str(self.other_ca))
-
-    def etcdctl_flags(self) -> list[str]:
-        cert, key = str(self.client_cert), str(self.client_key)
-        return ["--cacert", str(self.ca), "--cert", cert, "--key", key]
-
-    def ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=str(self.ca))
-        context.load_cert_chain(str(self.client_cert), str(self.client_key))
-        return context
 
 
 @dataclass(frozen=True)
@@ -84,7 +53,7 @@ class EtcdMember:
         name: str,
         root: Path,
         cluster_token: str,
-        tls: EtcdTls | None = None,
+        tls: Pki | None = None,
         auth_token_ttl_s: int | None = None,
     ) -> None:
         self.name = name
@@ -163,7 +132,7 @@ class EtcdCluster:
         root: Path,
         size: int = 1,
         *,
-        tls: EtcdTls | None = None,
+        tls: Pki | None = None,
         auth_token_ttl_s: int | None = None,
     ) -> None:
         root.mkdir(parents=True, exist_ok=True)

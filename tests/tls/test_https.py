@@ -9,14 +9,16 @@ import socket
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.pki import Pki
 from tests.support.server import ROOT, RegistryProcess
-from tests.tls.conftest import READER, Pki, tokens_file
+from tests.tls.conftest import READER, tokens_file
 from workers.client import RegistryClient
 from workers.errors import RegistryUnavailable
 from workers.tls import ClientTLS, RegistryTLSError
@@ -106,11 +108,15 @@ def test_the_cli_names_the_url_and_the_flag_on_a_wrong_ca(
 
 
 def _read_all(conn: ssl.SSLSocket | socket.socket, deadline_s: float) -> bytes:
-    conn.settimeout(deadline_s)
-    chunks = []
-    while chunk := conn.recv(65536):
+    """Everything until the peer closes, within ``deadline_s`` in all (not per read)."""
+    deadline = time.monotonic() + deadline_s
+    chunks: list[bytes] = []
+    while True:
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        chunk = conn.recv(65536)  # socket.timeout (TimeoutError) once the deadline passes
+        if not chunk:
+            return b"".join(chunks)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def test_the_header_timeout_and_a_bounded_handshake_hold_over_tls(

@@ -13,8 +13,9 @@ import uuid
 
 import pytest
 
+from tests.support.pki import Pki
 from tests.support.server import ROOT, RegistryProcess
-from tests.tls.conftest import ADMIN, WORKER, Pki
+from tests.tls.conftest import ADMIN, WORKER
 from workers.client import RegistryClient
 from workers.models import KvSpec
 from workers.tls import ClientTLS, RegistryTLSError

@@ -14,8 +14,9 @@ from pydantic import ValidationError
 from app.settings import Settings
 from app.tls import TlsConfigError, server_context
 from app.tokens import TokenSource
+from tests.support.pki import Pki
 from tests.support.server import ROOT
-from tests.tls.conftest import ADMIN, WORKER, Pki, tokens_file
+from tests.tls.conftest import ADMIN, WORKER, tokens_file
 from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError, classify
 
 

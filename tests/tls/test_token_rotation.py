@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 
 from tests.api.conftest import agent_body
+from tests.support.pki import Pki
 from tests.support.server import ROOT, RegistryProcess
-from tests.tls.conftest import ADMIN, READER, Pki, tokens_file
+from tests.tls.conftest import ADMIN, READER, tokens_file
 
 OLD = "worker-token-old-0123456789"
 NEW = "worker-token-new-9876543210"
