@@ -24,7 +24,7 @@ import os
 import re
 import time
 from collections.abc import Hashable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from app.errors import InvalidRequest, RegistryError
 from app.metrics import Metrics
 from app.store import Delete, Put, Store, Unavailable
+from app.timefmt import utc_iso
 
 log = logging.getLogger("app.events")
 
@@ -53,10 +54,6 @@ REFUSALS = frozenset(
 
 _ID = re.compile(r"^\d{13}-[0-9a-f]{8}-\d{6}$")
 _TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$")
-
-
-def utc_iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class Event(BaseModel):

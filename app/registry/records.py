@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -12,27 +11,13 @@ from app.schemas import (
     Role,
 )
 from app.store import Entry
+from app.timefmt import utc_iso as utc_iso  # its home before app.timefmt
 
 # Optimistic transactions retry this often before giving up with 503 (never reached in
 # practice: each retry means another writer made progress).
 MAX_ATTEMPTS = 200
 
 R = TypeVar("R", bound=BaseModel)
-
-
-_SECONDS: dict[int, str] = {}  # whole seconds formatted lately (now, now + each ttl, ...)
-
-
-def utc_iso(ts: float) -> str:
-    """``2026-11-29T14:00:00.123Z``; each whole second is formatted once (a request formats
-    both now and now + its ttl, so one cached second would be replaced at every call)."""
-    whole = int(ts)
-    text = _SECONDS.get(whole)
-    if text is None:
-        if len(_SECONDS) >= 4096:
-            _SECONDS.clear()
-        text = _SECONDS[whole] = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{text}.{int((ts - whole) * 1000):03d}Z"
 
 
 class EngineRecord(BaseModel):
