@@ -128,9 +128,10 @@ def _status(args: argparse.Namespace) -> int:
             return 2
         timeout = min(args.timeout, max(1.0, args.interval))
         color = sys.stdout.isatty()
-        watch = Watch(args.url, headers, args.interval, timeout, format_groups, color=color)
-        watch.verify = tls.context
-        return watch.run()
+        return Watch(
+            args.url, headers, args.interval, timeout, format_groups, color=color,
+            verify=tls.context,
+        ).run()  # fmt: skip
     with httpx.Client(headers=headers, timeout=args.timeout, verify=tls.context) as http:
         try:
             answer = http.get(f"{url}/tp-groups")
