@@ -63,6 +63,11 @@ def verdict_of(exc: Exception) -> tuple[str, str]:
     return "publish_failed", repr(exc)
 
 
+def follower_poll_s(ttl_s: float) -> float:
+    """How often a follower looks for its leader's verdicts (the leader waits on it)."""
+    return max(0.2, ttl_s / 3)
+
+
 @dataclass(frozen=True)
 class NodeGroup:
     node: int
@@ -162,7 +167,7 @@ class NodeLeader:
         self.node = node
         self.linger_s = linger_s
         # How long followers take to see the leader's `superseded` (their watcher's period).
-        self.follower_poll_s = max(0.2, ttl_s / 3)
+        self.follower_poll_s = follower_poll_s(ttl_s)
         self.host = next(i.host for i in items if i.rank == node.leader)
 
         def superseded(exc: EngineIdMismatch) -> None:
@@ -327,7 +332,7 @@ def publish_per_node(
         return leader
     host = mine.host if isinstance(mine, AgentItem) else ""
     follower = NodeFollower(
-        identity, group, rank, host, poll_s=max(0.2, ttl_s / 3), on_superseded=on_superseded
+        identity, group, rank, host, poll_s=follower_poll_s(ttl_s), on_superseded=on_superseded
     )
     if rank != group.leader and wanted:
         follower.start()

@@ -15,7 +15,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers import config
-from workers.tls import ClientTLS, checked
+from workers.tls import ClientTLS
 
 # Flags kept from before the flags were derived from the fields (they come first in --help).
 FLAG_ALIASES = {"registry_url": ["--registry"], "registry_token": ["--token"]}
@@ -73,7 +73,8 @@ class WorkerSettings(BaseSettings):
         if self.registry_token is None and self.registry_token_file is not None:
             path = self.registry_token_file
             self.registry_token = config.read_token_file(path, "WORKERS_REGISTRY_TOKEN_FILE")
-        self._tls = checked(self.registry_ca, self.registry_cert, self.registry_key)
+        # A file that cannot be used: TLSConfigError, a ValueError naming the variable.
+        self._tls = ClientTLS(self.registry_ca, self.registry_cert, self.registry_key)
         return self
 
     @property

@@ -56,9 +56,12 @@ class ClientTLS:
                 f"{self.key_name} is set but {self.cert_name} is not: a client key needs its "
                 "certificate (PEM)"
             )
-        for path, name in ((self.ca, self.ca_name), (self.cert, self.cert_name)):
+        for path, name in (
+            (self.ca, self.ca_name),
+            (self.cert, self.cert_name),
+            (self.key, self.key_name),
+        ):
             _readable(path, name)
-        _readable(self.key, self.key_name)
 
     @classmethod
     def from_env(
@@ -109,20 +112,6 @@ class ClientTLS:
         if failure == "not_tls":
             return "the server does not speak TLS at that address: use http:// or the TLS port"
         return f"check {self.ca_name}, {self.cert_name} and {self.key_name}"
-
-
-def checked(
-    ca: Path | None,
-    cert: Path | None,
-    key: Path | None,
-    names: tuple[str, str, str] = VARS_OF_WORKERS,
-) -> ClientTLS:
-    """The client's TLS files, checked at start for a settings class's validator: a missing or
-    unreadable file, or a key without its certificate, is a ValueError naming the variable."""
-    try:
-        return ClientTLS(ca, cert, key, *names)
-    except TLSConfigError as exc:
-        raise ValueError(str(exc)) from None
 
 
 def _readable(path: Path | None, name: str) -> None:

@@ -19,12 +19,13 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,7 +85,6 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     pump: threading.Thread | None = None
-    lines: list[str] = field(default_factory=list)
 
 
 def _pump(proc: Proc, stream: IO[bytes], quiet: bool) -> None:
@@ -92,7 +92,6 @@ def _pump(proc: Proc, stream: IO[bytes], quiet: bool) -> None:
         for raw in iter(stream.readline, b""):
             log.write(raw)
             line = raw.decode(errors="replace").rstrip()
-            proc.lines.append(line)
             interesting = "[prefill " in line or "[decode " in line
             if interesting and not quiet:
                 with _PRINT_LOCK:
@@ -128,11 +127,11 @@ def stop(proc: Proc, grace_s: float = 10.0) -> None:
     """SIGTERM the process group (torchrun forwards it to its workers), then SIGKILL."""
     if proc.popen.poll() is None:
         try:
-            os.killpg(proc.popen.pid, 15)
+            os.killpg(proc.popen.pid, signal.SIGTERM)
             proc.popen.wait(timeout=grace_s)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, 9)
+                os.killpg(proc.popen.pid, signal.SIGKILL)
             proc.popen.wait(timeout=5)
     if proc.pump is not None:
         proc.pump.join(timeout=5)

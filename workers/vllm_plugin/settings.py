@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from workers.config import describe, read_token_file
 from workers.models import Role
-from workers.tls import VARS_OF_PLUGIN, ClientTLS, checked
+from workers.tls import VARS_OF_PLUGIN, ClientTLS
 from workers.vllm_plugin import ENV_URL as ENV_URL
 
 ENV_PREFIX = "ENGINE_REGISTRY_"
@@ -23,10 +23,7 @@ ENV_GROUP = "ENGINE_REGISTRY_GROUP"
 ENV_TOKEN = "ENGINE_REGISTRY_TOKEN"
 ENV_TOKEN_FILE = "ENGINE_REGISTRY_TOKEN_FILE"
 ENV_ROLE = "ENGINE_REGISTRY_ROLE"
-ENV_TTL = "ENGINE_REGISTRY_TTL_S"
-ENV_TIMEOUT = "ENGINE_REGISTRY_TIMEOUT_S"
 ENV_LAUNCH = "ENGINE_REGISTRY_LAUNCH_ID"
-ENV_REFUSE_EXIT = "ENGINE_REGISTRY_REFUSE_EXIT_S"
 
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
@@ -86,7 +83,7 @@ class PluginSettings(BaseSettings):
         if self.token is None and self.token_file is not None:
             token = read_token_file(self.token_file, ENV_TOKEN_FILE)
             object.__setattr__(self, "token", token)
-        self._tls = checked(self.ca, self.cert, self.key, VARS_OF_PLUGIN)
+        self._tls = ClientTLS(self.ca, self.cert, self.key, *VARS_OF_PLUGIN)
         return self
 
     @property

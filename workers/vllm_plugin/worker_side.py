@@ -33,6 +33,7 @@ class _State:
     """What this process learned; one sync per process (sub-connectors reuse it)."""
 
     identity: EngineIdentity | None = None
+    settings: PluginSettings | None = None  # read once, at the sync
     engine_id: str = ""  # what vLLM uses: the registry's id, plus `_dp{rank}` under DP
     group_id: str = ""
     rank: int = 0
@@ -69,36 +70,38 @@ def worker_sync(config: Any) -> None:
             )
         rank = pp_rank * int(tp.world_size) + tp_rank
         before = config.kv_transfer_config.engine_id
-        client = common.client(settings)
-        try:
-            identity = sync_engine_id(
-                client,
-                group_id,
-                tp_size=size,
-                role=common.role(config, settings),
-                compat=compat_of(config),
-                group=pg,
-                cpu_group=pg,
-                launch_id=settings.launch_id,
-                timeout_s=settings.timeout_s,
-            )
-        except EngineIdentityError as exc:
-            log.error(
-                "engine-registry: rank %d of group %r refuses to start: %s", rank, group_id, exc
-            )
-            client.close()
-            _exit_soon(settings.refuse_exit_s)
-            raise RuntimeError(
-                f"engine-registry: group {group_id!r} rank {rank} refuses to start: {exc}"
-            ) from exc
+        with common.client(settings) as client:
+            try:
+                identity = sync_engine_id(
+                    client,
+                    group_id,
+                    tp_size=size,
+                    role=common.role(config, settings),
+                    compat=compat_of(config),
+                    group=pg,
+                    cpu_group=pg,
+                    launch_id=settings.launch_id,
+                    timeout_s=settings.timeout_s,
+                )
+            except EngineIdentityError as exc:
+                log.error(
+                    "engine-registry: rank %d of group %r refuses to start: %s",
+                    rank,
+                    group_id,
+                    exc,
+                )
+                _exit_soon(settings.refuse_exit_s)
+                raise RuntimeError(
+                    f"engine-registry: group {group_id!r} rank {rank} refuses to start: {exc}"
+                ) from exc
         engine_id = common.vllm_engine_id(identity.engine_id, dp_size, dp_rank)
         config.kv_transfer_config.engine_id = engine_id
         _state.identity = identity
+        _state.settings = settings
         _state.engine_id = engine_id
         _state.group_id = group_id
         _state.rank = rank
         _state.size = size
-        client.close()
         log.info(
             "engine-registry: rank %d/%d (tp_rank %d, pp_rank %d) of group %r uses the "
             "registry's engine_id %s (generation %d, was %s)",
@@ -183,7 +186,8 @@ def agent_item(connector: Any, config: Any) -> AgentItem:
 def publish(connector: Any, config: Any) -> Publication:
     """Register this rank's agent and keep its lease; deregistered at exit."""
     assert _state.identity is not None
-    settings = PluginSettings.from_env()
+    assert _state.settings is not None
+    settings = _state.settings
     item = agent_item(connector, config)
     publication = Publication(
         lambda: common.client(settings),
