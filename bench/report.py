@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench import report_lean
+
 OPS = ("open", "get_engine", "register", "heartbeat", "handshake", "wait_ready")
 
 
@@ -166,8 +168,6 @@ def _transfer(t: dict[str, Any]) -> list[str]:
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     """(target, figure, ratio to target, met) for every target the run can judge."""
-    from bench import report_lean
-
     out: list[tuple[str, str, str, bool | None]] = report_lean.targets(results.get("lean", {}))
     s = results.get("storm", {})
     row = s.get("registry_sqlite", {}).get("1024")
@@ -221,13 +221,8 @@ def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, 
     sqlite = s.get("registry_sqlite", {})
     small, big = sqlite.get("1024"), sqlite.get("4096")
     if small and big and "failed" not in small and "failed" not in big:
-        ratio = big["ranks_per_s"] / small["ranks_per_s"]
-        out.append(
-            ("heavy storm: 4,096 ranks on SQLite, no errors, ranks/s within 10% of 1,024",
-             f"{big['ranks_per_s']:,.0f} vs {small['ranks_per_s']:,.0f} ranks/s, errors "
-             f"{sum(big['errors'].values())}", f"ratio {ratio:.2f}",
-             ratio >= 0.9 and not big["errors"])
-        )  # fmt: skip
+        label = "heavy storm: 4,096 ranks on SQLite, no errors, ranks/s within 10% of 1,024"
+        out.append(report_lean.linear(label, small, big))
     if small and "failed" not in small and small.get("server_cpu_s"):
         ms = small["server_cpu_s"] / small["requests"] * 1000
         out.append(
@@ -324,8 +319,6 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
             lines.append(f"| {name} | {figure} | {ratio} | {'yes' if met else 'no'} |")
         lines.append("")
     if "lean" in results:
-        from bench import report_lean
-
         lines += report_lean.table(results["lean"])
     if "storm" in results:
         lines += _storm(results["storm"])
