@@ -39,7 +39,7 @@ class AgentsMixin(RegistryBase):
         _check_reachable(req.host, client_host)
         blob = blob_of(req.agent_metadata)
         for _ in range(MAX_ATTEMPTS):
-            state = await self._current(gid, rank, req.engine_id)
+            state = await self._current(gid, rank, req.engine_id, writing=True)
             old = state.agents.get(rank)
             lease = await self.store.grant_lease(req.ttl_s)
             now = time.time()
@@ -101,7 +101,9 @@ class AgentsMixin(RegistryBase):
 
     async def deregister(self, gid: str, rank: int, engine_id: str) -> None:
         for _ in range(MAX_ATTEMPTS):
-            state = await self._current(gid, rank, engine_id)
+            state = await self._current(gid, rank, engine_id, writing=True)
+            if rank not in state.agents:  # an answer: decided on durable state
+                state = await self._current(gid, rank, engine_id)
             agent = state.agents.get(rank)
             if agent is None:
                 raise self._absent(gid, rank)

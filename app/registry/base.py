@@ -65,13 +65,17 @@ class RegistryBase:
     # -- reads -------------------------------------------------------------------------------
 
     async def _group(self, gid: str) -> GroupState:
-        state = GroupState.read(await self.store.range(_group_prefix(gid)), gid, self.decoded)
+        state = await self._group_or_none(gid)
         if state is None:
             raise NotFound(
                 f"No TP group {gid!r} in this registry. Its rank 0 opens it with "
                 f"PUT /tp-groups/{gid}/engine; check the group id and the registry URL."
             )
         return state
+
+    async def _group_or_none(self, gid: str, *, settled: bool = True) -> GroupState | None:
+        snap = await self.store.range(_group_prefix(gid), settled=settled)
+        return GroupState.read(snap, gid, self.decoded)
 
     async def get_engine(self, gid: str, wait_ready_s: float | None = None) -> Engine:
         state = await self._group(gid)
@@ -174,13 +178,29 @@ class RegistryBase:
         self.events.refusal(error, gid)
         return error
 
-    async def _current(self, gid: str, rank: int, engine_id: str) -> GroupState:
+    async def _current(
+        self, gid: str, rank: int, engine_id: str, *, writing: bool = False
+    ) -> GroupState:
+        """The group, checked for ``rank`` and ``engine_id``.
+
+        ``writing``: the caller changes the group and answers only after its own commit, so it
+        may decide on changes still on their way to the file (its commit lands after theirs
+        and fails with them) instead of waiting for them. A refusal is an answer about the
+        group, so it is only ever decided on durable state: read again, settled."""
+        if writing:
+            state = await self._group_or_none(gid, settled=False)
+            if state is not None and self._fits(state, rank, engine_id):
+                return state
         state = await self._group(gid)
         if rank >= state.engine.tp_size:
             raise outside_group(gid, rank, state.engine.tp_size, ("rank",))
         if engine_id != state.engine.engine_id:
             raise await self._mismatch(state, rank, engine_id)
         return state
+
+    @staticmethod
+    def _fits(state: GroupState, rank: int, engine_id: str) -> bool:
+        return rank < state.engine.tp_size and engine_id == state.engine.engine_id
 
     async def release_leases(self, state: GroupState, ranks: set[int]) -> None:
         """End the leases ``ranks`` held before, unless another rank still holds one (ranks

@@ -35,7 +35,13 @@ class BatchesMixin(AgentsMixin):
         blobs = [blob_of(item.agent_metadata) for item in req.agents]
         ttl_s = req.agents[0].ttl_s
         for _ in range(MAX_ATTEMPTS):
-            state = await self._group(gid)
+            # As one registration (``_current(writing=True)``): decided on pending changes,
+            # refused only on durable state.
+            maybe = await self._group_or_none(gid, settled=False)
+            fits = maybe is not None and all(
+                self._fits(maybe, item.rank, item.engine_id) for item in req.agents
+            )
+            state = maybe if fits and maybe is not None else await self._group(gid)
             engine = state.engine
             for i, item in enumerate(req.agents):
                 if item.rank >= engine.tp_size:

@@ -109,8 +109,13 @@ class Store(ABC):
     async def get(self, key: str) -> Entry | None: ...
 
     @abstractmethod
-    async def range(self, prefix: str) -> Snapshot:
-        """Every live entry whose key starts with ``prefix``, ordered by key."""
+    async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
+        """Every live entry whose key starts with ``prefix``, ordered by key.
+
+        ``settled=False`` may include changes still on their way to durable storage (the
+        SQLite store's group commit): only for a writer that decides on them and answers
+        after its own commit, which lands after theirs and fails with them. A store whose
+        reads are always durable (etcd) ignores it."""
 
     @abstractmethod
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:

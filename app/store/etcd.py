@@ -140,7 +140,7 @@ class EtcdStore(Store):
         reply = await self._read(self._key(key))
         return self._entry(reply.kvs[0]) if reply.kvs else None
 
-    async def range(self, prefix: str) -> Snapshot:
+    async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
         start = self._key(prefix)
         reply = await self._read(start, prefix_range_end(start))
         entries = [self._entry(kv) for kv in reply.kvs]  # etcd answers in key order

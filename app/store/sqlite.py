@@ -212,9 +212,10 @@ class SqliteStore(Store):
         entry = self._kv.get(key)
         return entry if entry is not None and self._alive(entry, time.time()) else None
 
-    async def range(self, prefix: str) -> Snapshot:
+    async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
         await self._usable()
-        await self._pending.settle_prefix(prefix)
+        if settled:
+            await self._pending.settle_prefix(prefix)
         now = time.time()
         entries = [e for k in self._under(prefix) if self._alive(e := self._kv[k], now)]
         remaining = {
