@@ -67,6 +67,7 @@ class AgentsMixin(RegistryBase):
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
                 continue
+            self.decoded.remember(_agent_key(gid, rank), result.revision, record)
             await self.release_leases(state, {rank})
             return self._agent_view(record, now + lease.remaining_s), old is None
         raise StoreUnavailable(f"Registering rank {rank} of {gid!r} lost too many races.")

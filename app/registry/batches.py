@@ -83,6 +83,8 @@ class BatchesMixin(AgentsMixin):
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
                 continue
+            for record in records:
+                self.decoded.remember(_agent_key(gid, record.rank), result.revision, record)
             batch = {r.rank for r in records}
             await self.release_leases(state, batch)
             expires = utc_iso(now + lease.remaining_s)

@@ -87,6 +87,8 @@ class EnginesMixin(RegistryBase):
                 ],
             )
             if result.succeeded:
+                self.decoded.remember(_engine_key(gid), result.revision, engine)
+                self.decoded.remember(f"engines/{engine.engine_id}", result.revision, index)
                 self.metrics.engines_opened.inc()
                 if state is not None:
                     await self._revoke_quietly(a.lease for a in state.agents.values())

@@ -93,6 +93,13 @@ class Decoded:
         self._texts[entry.key] = (entry.mod_revision, text)
         return text
 
+    def remember(self, key: str, revision: int, record: BaseModel) -> None:
+        """``record`` was just written under ``key`` at ``revision``: the next read of that
+        version takes it as is (it is what parsing its stored JSON would give)."""
+        if len(self._cache) >= self.LIMIT:
+            self._cache.clear()
+        self._cache[key] = (revision, record)
+
     def record(self, entry: Entry, kind: type[R]) -> R:
         hit = self._cache.get(entry.key)
         if hit is not None and hit[0] == entry.mod_revision and type(hit[1]) is kind:

@@ -12,6 +12,7 @@ key's prefix up to a ``/``), stands for every earlier one there: once it is dura
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Iterable
 
@@ -30,6 +31,10 @@ class Pending:
         self.dirs: dict[str, _Item] = {}
         self.inflight = 0
         self._seq = 0
+        self._deadlines: list[tuple[float, asyncio.Future[None]]] = []
+        self._watchdog: asyncio.TimerHandle | None = None
+        # How often the watchdog looks: a small share of the timeout, at most 0.1 s.
+        self._period = min(0.1, max(timeout_s / 50, 0.005))
 
     def clear(self) -> None:
         self.keys.clear()
@@ -74,17 +79,43 @@ class Pending:
         fut.add_done_callback(done)
 
     async def durable(self, fut: asyncio.Future[None], deadline: float | None = None) -> None:
-        """Wait for ``fut``'s commit, until ``deadline`` (monotonic) or the store's timeout."""
-        timeout = self.timeout_s if deadline is None else deadline - time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), max(timeout, 0.0))
-        except TimeoutError:
-            raise Unavailable(
-                f"SQLite store {self.path} did not commit within {self.timeout_s:g} s "
-                "(a stalled or overloaded disk); the change may still take effect."
-            ) from None
-        except FileFailure as exc:
+        """Wait for ``fut``'s commit, until ``deadline`` (monotonic) or the store's timeout.
+
+        Each waiter awaits a future of its own, relayed from the commit's (cancelling a
+        waiter must not cancel a commit others wait for), and one watchdog timer ends the
+        waits past their deadline (within ``_period``): no timer per wait."""
+        if not fut.done():
+            waiter = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(functools.partial(_relay, waiter))
+            self._deadlines.append(
+                (time.monotonic() + self.timeout_s if deadline is None else deadline, waiter)
+            )
+            if self._watchdog is None:
+                self._watchdog = asyncio.get_running_loop().call_later(self._period, self._expire)
+            try:
+                await waiter
+            except TimeoutError:
+                raise Unavailable(
+                    f"SQLite store {self.path} did not commit within {self.timeout_s:g} s "
+                    "(a stalled or overloaded disk); the change may still take effect."
+                ) from None
+        if not fut.cancelled() and isinstance(exc := fut.exception(), FileFailure):
             raise Unavailable(exc.detail) from exc
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        waiting = []
+        for when, waiter in self._deadlines:
+            if waiter.done():
+                continue
+            if when <= now:
+                waiter.set_exception(TimeoutError())
+            else:
+                waiting.append((when, waiter))
+        self._deadlines = waiting
+        self._watchdog = (
+            asyncio.get_running_loop().call_later(self._period, self._expire) if waiting else None
+        )
 
     async def settle_keys(self, keys: Iterable[str]) -> None:
         """Wait until none of ``keys`` has a change on its way to the file."""
@@ -111,6 +142,11 @@ class Pending:
             await self.durable(item[1], deadline)  # raises if it failed
             if self.dirs.get(prefix) is item:
                 return  # committed; its bookkeeping callback has yet to run
+
+
+def _relay(waiter: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _dirs(key: str) -> list[str]:
