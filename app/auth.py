@@ -124,6 +124,19 @@ class AuthMiddleware:
         if needed is None:
             await self.app(scope, receive, send)
             return
+        error = self.verdict(scope, tokens, needed)
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        headers = [(b"www-authenticate", b'Bearer realm="engine-registry"')]
+        if scope["path"] in BROWSER_PATHS:
+            headers.append((b"www-authenticate", b'Basic realm="engine-registry", charset="UTF-8"'))
+        await send_problem(send, error, scope, extra_headers=headers if error.status == 401 else [])
+
+    @staticmethod
+    def verdict(scope: Scope, tokens: Tokens, needed: RoleName) -> RegistryError | None:
+        """None when the request's credentials hold role ``needed`` (the role is then in
+        ``scope["state"]``); else the refusal."""
         error: RegistryError | None = None
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, presented = header.partition(" ")
@@ -144,9 +157,4 @@ class AuthMiddleware:
             )
         if error is None:
             scope.setdefault("state", {})["role"] = role
-            await self.app(scope, receive, send)
-            return
-        headers = [(b"www-authenticate", b'Bearer realm="engine-registry"')]
-        if scope["path"] in BROWSER_PATHS:
-            headers.append((b"www-authenticate", b'Basic realm="engine-registry", charset="UTF-8"'))
-        await send_problem(send, error, scope, extra_headers=headers if error.status == 401 else [])
+        return error

@@ -55,6 +55,16 @@ class AccessLogBudget:
         return skipped
 
 
+def request_id_of(scope: Scope) -> str:
+    """The client's ``X-Request-ID`` when sane, else a new one; kept in ``scope["state"]``."""
+    given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+    # Kept only when it is printable ASCII: anything else would come back altered.
+    sane = 0 < len(given) <= 64 and given.isascii() and given.isprintable()
+    request_id = given if sane else new_request_id()
+    scope.setdefault("state", {})["request_id"] = request_id
+    return request_id
+
+
 class ObserveMiddleware:
     """Gives each request an id (``X-Request-ID``, kept when the client sends a sane one),
     logs one line per request (within a budget, see :class:`AccessLogBudget`) and counts it
@@ -76,11 +86,7 @@ class ObserveMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        # Kept only when it is printable ASCII: anything else would come back altered.
-        sane = 0 < len(given) <= 64 and given.isascii() and given.isprintable()
-        request_id = given if sane else new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
+        request_id = request_id_of(scope)
         status = 500
 
         async def send_wrapper(message: Message) -> None:
@@ -94,37 +100,39 @@ class ObserveMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            elapsed = time.perf_counter() - started
-            route = scope.get("route")
-            template = getattr(route, "path", "unmatched")
-            method = scope["method"]
-            counter = self._counters.get((template, method, status))
-            if counter is None:
-                counter = self.metrics.requests.labels(template, method, str(status))
-                self._counters[(template, method, status)] = counter
-            counter.inc()
-            timer = self._timers.get((template, method))
-            if timer is None:
-                timer = self._timers[(template, method)] = self.metrics.latency.labels(
-                    template, method
-                )
-            timer.observe(elapsed)
-            skipped = self.budget.take(time.time(), status) if self.access_log else None
-            if skipped is not None:
-                client = scope.get("client")
-                log.info(
-                    "request",
-                    extra={
-                        "not_logged_before": skipped,
-                        "request_id": request_id,
-                        "method": method,
-                        "path": scope["path"],
-                        "route": template,
-                        "status": status,
-                        "ms": round(elapsed * 1000, 2),
-                        "client": client[0] if client else None,
-                    },
-                )
+            self.finish(scope, request_id, status, started)
+
+    def finish(self, scope: Scope, request_id: str, status: int, started: float) -> None:
+        """Count the answered request by route template, and log it within the budget."""
+        elapsed = time.perf_counter() - started
+        route = scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        method = scope["method"]
+        counter = self._counters.get((template, method, status))
+        if counter is None:
+            counter = self.metrics.requests.labels(template, method, str(status))
+            self._counters[(template, method, status)] = counter
+        counter.inc()
+        timer = self._timers.get((template, method))
+        if timer is None:
+            timer = self._timers[(template, method)] = self.metrics.latency.labels(template, method)
+        timer.observe(elapsed)
+        skipped = self.budget.take(time.time(), status) if self.access_log else None
+        if skipped is not None:
+            client = scope.get("client")
+            log.info(
+                "request",
+                extra={
+                    "not_logged_before": skipped,
+                    "request_id": request_id,
+                    "method": method,
+                    "path": scope["path"],
+                    "route": template,
+                    "status": status,
+                    "ms": round(elapsed * 1000, 2),
+                    "client": client[0] if client else None,
+                },
+            )
 
 
 class BodyLimitMiddleware:

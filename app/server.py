@@ -39,6 +39,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.api.hot import HotPath
 from app.problems import PROBLEM_MEDIA_TYPE
 from app.settings import Settings, is_loopback_host
 from app.tls import server_context, tls_loop_factory
@@ -283,14 +284,24 @@ class RegistryConfig(uvicorn.Config):
     with alerting, bounded handshakes (uvloop for plain HTTP)."""
 
     def __init__(
-        self, app: FastAPI, *, tls: ssl.SSLContext | None, handshake_timeout_s: float, **kw: Any
+        self,
+        app: FastAPI,
+        *,
+        tls: ssl.SSLContext | None,
+        handshake_timeout_s: float,
+        hot_path: bool = False,
+        **kw: Any,
     ) -> None:
         self._tls = tls
+        self._hot_path = hot_path
+        self._app = app
         self._handshake_timeout_s = handshake_timeout_s
         super().__init__(app, **kw)
 
     def load(self) -> None:
         super().load()
+        if self._hot_path:
+            self.loaded_app = HotPath(self.loaded_app, self._app)
         if self._tls is not None:
             self.ssl = self._tls
 
@@ -330,6 +341,7 @@ def serve(app: FastAPI, settings: Settings, tls: ssl.SSLContext | None = None) -
         app,
         tls=tls,
         handshake_timeout_s=settings.header_timeout_s,
+        hot_path=settings.fast_path,
         host=settings.host,
         port=settings.port,
         **options,

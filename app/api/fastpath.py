@@ -53,7 +53,7 @@ _JSON = [(b"content-type", b"application/json")]
 Handler = Callable[[Scope, list[str], bytes | None], Awaitable[tuple[int, BaseModel] | None]]
 
 
-class _Fallback(Exception):
+class Fallback(Exception):
     """Not for the fast path: FastAPI answers it."""
 
 
@@ -61,23 +61,23 @@ def _rank(text: str) -> int:
     # ASCII digits only: str.isdigit() also takes superscripts and other scripts' digits,
     # which FastAPI refuses (422).
     if not (text.isascii() and text.isdigit()) or len(text) > 6 or int(text) >= MAX_TP_SIZE:
-        raise _Fallback
+        raise Fallback
     return int(text)
 
 
 def _group(text: str) -> str:
     if _GROUP.fullmatch(text) is None:  # match() would let a final "\n" through "$"
-        raise _Fallback
+        raise Fallback
     return text
 
 
 def _body(model: type[Any], raw: bytes | None) -> Any:
     if not raw:
-        raise _Fallback
+        raise Fallback
     try:
         return model.model_validate(parse(raw))
     except (ValueError, ValidationError, RecursionError):
-        raise _Fallback from None
+        raise Fallback from None
 
 
 class FastPath:
@@ -95,7 +95,7 @@ class FastPath:
         self.handshake = (self._handshake, by_path["/engines/{engine_id}/handshake"])
         self._reg: Registry | None = None  # the app's, set by its lifespan before any request
 
-    def _match(self, method: str, parts: list[str]) -> tuple[Handler, BaseRoute] | None:
+    def match(self, method: str, parts: list[str]) -> tuple[Handler, BaseRoute] | None:
         n = len(parts)
         if n >= 3 and parts[0] == "tp-groups" and parts[2] == "engine":
             if n == 3:
@@ -117,32 +117,32 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         parts = scope["path"].strip("/").split("/")
-        entry = self._match(scope["method"], parts)
+        entry = self.match(scope["method"], parts)
         if entry is None:
             await self.app(scope, receive, send)
             return
         handler, route = entry
         raw: bytes | None = None
         if scope["method"] != "GET":
-            raw = await _read(receive, self.limit)
+            raw = await read_body(receive, self.limit)
             if raw is None or len(raw) > self.limit:  # disconnected, or for the body limit
-                await self.app(scope, _replay(raw, receive), send)
+                await self.app(scope, replayed(raw, receive), send)
                 return
         try:
             answer = await handler(scope, parts, raw)
-        except _Fallback:
+        except Fallback:
             answer = None
         except (RegistryError, Unavailable) as exc:
             scope["route"] = route
             await send_problem(send, at_edge(exc), scope)
             return
         if answer is None:
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replayed(raw, receive), send)
             return
         scope["route"] = route
         status, model = answer
         body = model.__pydantic_serializer__.to_json(model)
-        headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+        headers = [(b"content-length", str(len(body)).encode()), *_JSON]  # JSONResponse's order
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -188,12 +188,12 @@ class FastPath:
     ) -> tuple[int, BaseModel]:
         engine_id = parts[1]
         if not 1 <= len(engine_id) <= 128:
-            raise _Fallback
+            raise Fallback
         body = _body(HandshakeRequest, raw)
         return 200, await self._registry(scope).handshake(engine_id, body)
 
 
-async def _read(receive: Receive, limit: int) -> bytes | None:
+async def read_body(receive: Receive, limit: int) -> bytes | None:
     """The body, or as much of it as passes ``limit`` (the caller hands that on); None when the
     client went away."""
     chunks = []
@@ -209,5 +209,5 @@ async def _read(receive: Receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-def _replay(raw: bytes | None, receive: Receive) -> Receive:
+def replayed(raw: bytes | None, receive: Receive) -> Receive:
     return receive if raw is None else replay(raw, receive)

@@ -149,8 +149,21 @@ def _relay(waiter: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+_PARENTS: dict[str, list[str]] = {}  # a key's parent "directory" -> its dirs (few: groups)
+
+
 def _dirs(key: str) -> list[str]:
-    """``a/b/c`` -> ``a/``, ``a/b/``."""
+    """``a/b/c`` -> ``a/``, ``a/b/`` (cached by the key's parent: a group's keys share it)."""
+    parent = key[: key.rfind("/") + 1]
+    dirs = _PARENTS.get(parent)
+    if dirs is None:
+        if len(_PARENTS) >= 100_000:
+            _PARENTS.clear()
+        dirs = _PARENTS[parent] = _split(parent)
+    return dirs
+
+
+def _split(key: str) -> list[str]:
     out = []
     i = key.find("/")
     while i >= 0:

@@ -4,6 +4,9 @@ answer shape."""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,3 +114,66 @@ def test_valid_and_invalid_hot_requests_answer_alike(
         ("PUT", "/tp-groups/{g}/engine", None),  # no body: 422
     ]
     same_everywhere(servers, steps, tmp_path)
+
+
+# -- the hot path (app/api/hot.py): one write on uvicorn's connection, as uvicorn would -------
+
+
+def _raw(url: str, data: bytes, answers: int) -> list[tuple[bytes, list[bytes], bytes]]:
+    """Send ``data`` on one connection; read ``answers`` answers (status line, header
+    names in order, body). Bounded: 10 s for the whole exchange."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=10.0) as sock:
+        sock.sendall(data)
+        buf = b""
+        deadline = time.monotonic() + 10.0
+        while len(out) < answers and time.monotonic() < deadline:
+            while b"\r\n\r\n" not in buf:
+                chunk = sock.recv(65536)
+                assert chunk, f"connection closed after {len(out)} answers"
+                buf += chunk
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            status, *lines = head.split(b"\r\n")
+            names = [line.split(b":", 1)[0].lower() for line in lines]
+            length = int(
+                next(
+                    v
+                    for n, v in (ln.split(b": ", 1) for ln in lines)
+                    if n.lower() == b"content-length"
+                )
+            )
+            while len(buf) < length:
+                chunk = sock.recv(65536)
+                assert chunk, "connection closed mid-body"
+                buf += chunk
+            out.append((status, names, buf[:length]))
+            buf = buf[length:]
+    return out
+
+
+def _group_on_both(servers: dict[str, httpx.Client], group: str) -> None:
+    for client in servers.values():
+        answer = client.put(
+            f"/tp-groups/{group}/engine", json={"launch_id": "l1", "tp_size": 2, "role": "decode"}
+        )
+        assert answer.status_code == 201
+
+
+def test_the_hot_path_writes_what_uvicorn_would(servers: dict[str, httpx.Client]) -> None:
+    _group_on_both(servers, "hot-raw")
+    get = b"GET /tp-groups/hot-raw/engine HTTP/1.1\r\nhost: x\r\n\r\n"
+    close = b"GET /tp-groups/hot-raw/engine HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    seen = {}
+    for name, client in servers.items():
+        url = str(client.base_url).rstrip("/")
+        # Two on one connection, then pipelined (both in one send), then Connection: close.
+        kept = _raw(url, get, 1) + _raw(url, get + get, 2) + _raw(url, close, 1)
+        assert [status for status, _, _ in kept] == [b"HTTP/1.1 200 OK"] * 4
+        bodies = [json.loads(body) for _, _, body in kept]
+        assert all(b["group_id"] == "hot-raw" and b["ready"] is False for b in bodies)
+        seen[name] = [names for _, names, _ in kept]
+    assert seen["on"] == seen["off"]
+    assert seen["on"][0] == [b"date", b"server", b"content-length", b"content-type",
+                             b"x-request-id"]  # fmt: skip
+    assert seen["on"][3][-1] == b"connection"  # and the server closed it: _raw read to the end
