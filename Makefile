@@ -46,7 +46,7 @@ vllm-env:
 	bash scripts/setup-vllm.sh
 
 test-vllm: $(VENV)/.dev vllm-env
-	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest tests/vllm -m vllm
+	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest tests/workers/vllm_plugin -m vllm
 
 demo: $(VENV)/.dev
 	$(BIN)/engine-registry demo

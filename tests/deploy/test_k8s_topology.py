@@ -33,9 +33,9 @@ from typing import Any
 import pytest
 
 from tests.deploy import k8s_support as k8s
-from tests.e2e import netns
-from tests.e2e.compose_support import image_environment
-from tests.e2e.test_two_hosts import Deployment, http
+from tests.docker.compose_support import image_environment
+from tests.docker.test_two_hosts import Deployment, http
+from tests.support import netns
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.api.conftest import agent_body, launch
+from tests.app.api.conftest import agent_body, launch
 from tests.support.server import ROOT, RegistryProcess
 
 MONITORING = ROOT / "deploy" / "monitoring"
