@@ -8,6 +8,8 @@ from pydantic import ValidationError
 from app.auth import TokenFileError, parse_tokens, required_role, role_of
 from app.settings import Settings
 
+pytestmark = pytest.mark.unit
+
 READER = "r" * 20
 WORKER = "w" * 20
 

@@ -3,7 +3,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from app.cli import format_groups
+
+pytestmark = pytest.mark.unit
 
 
 def test_status_table_shows_ready_ranks_and_missing_ranks() -> None:

@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.app.api.conftest import agent_body, launch
 from tests.support.server import ROOT, RegistryProcess
+
+pytestmark = pytest.mark.api
 
 HOME = "\x1b[H"
 

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import pytest
+
 from app.compat import equal, mismatches, same_value
+
+pytestmark = pytest.mark.unit
 
 
 def test_integer_and_float_of_same_value_match() -> None:

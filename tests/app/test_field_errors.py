@@ -7,9 +7,13 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from app.errors import FieldProblem, InvalidRequest
 from app.problems import problem_response
 from app.registry.base import outside_group
+
+pytestmark = pytest.mark.unit
 
 
 def answer(error: InvalidRequest, template: str) -> list[dict[str, Any]]:

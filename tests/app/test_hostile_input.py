@@ -22,6 +22,8 @@ from tests.support.faults import agent_body
 from tests.support.hostile import assert_problem, open_engine, raw_exchange, serve
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.faults
+
 # The depth the fixed service allows inside a kv extra (nesting levels); tests keep clear of
 # the exact boundary on both sides, so an off-by-one in how levels are counted does not matter.
 KV_DEPTH_LIMIT = 32

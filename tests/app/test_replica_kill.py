@@ -12,6 +12,8 @@ import pytest
 from tests.support.etcd import EtcdCluster
 from tests.support.faults import FailoverClient, Storm, record, replicas, verify_nothing_lost
 
+pytestmark = pytest.mark.faults
+
 
 @pytest.mark.timeout(150)
 def test_replica_killed_mid_storm_clients_fail_over_and_nothing_answered_is_lost(

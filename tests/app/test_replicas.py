@@ -17,7 +17,7 @@ from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import FailoverClient, agent_body, open_body, record, replicas
 from tests.support.server import RegistryProcess
 
-pytestmark = [pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
+pytestmark = [pytest.mark.faults, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 
 
 @pytest.fixture(scope="module")

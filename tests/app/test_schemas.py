@@ -7,6 +7,8 @@ from pydantic import ValidationError
 
 from app.schemas import HandshakeRequest, OpenEngineRequest, RegisterAgentRequest
 
+pytestmark = pytest.mark.unit
+
 KV = {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096], "num_blocks": 8, "block_len": 64}
 
 

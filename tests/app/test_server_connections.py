@@ -36,6 +36,8 @@ from tests.support.hostile import (
 )
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.faults
+
 HEADER_TIMEOUT_S = 2.0
 SHORT_HEADERS = {"REGISTRY_HEADER_TIMEOUT_S": f"{HEADER_TIMEOUT_S:g}"}
 # How long past the header timeout a silent connection may stay open.

@@ -26,6 +26,8 @@ from tests.support.chromium import CHROMIUM, Chromium, chromium
 from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.ui
+
 READER = "reader-token-0123456789abcdef"
 WORKER = "worker-token-0123456789abcdef"
 HOSTILE = "<img/src=x/onerror=document.title='pwned'>"

@@ -19,6 +19,8 @@ from tests.support.pki import Pki
 from tests.support.server import ROOT
 from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError, classify
 
+pytestmark = pytest.mark.tls
+
 
 def test_the_server_context_is_tls_1_2_or_newer_and_mutual_only_with_a_client_ca(
     pki: Pki,

@@ -23,6 +23,8 @@ from workers.client import RegistryClient
 from workers.errors import RegistryUnavailable
 from workers.tls import ClientTLS, RegistryTLSError
 
+pytestmark = pytest.mark.tls
+
 
 @pytest.fixture(scope="module")
 def server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:

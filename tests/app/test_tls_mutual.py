@@ -20,6 +20,8 @@ from workers.client import RegistryClient
 from workers.models import KvSpec
 from workers.tls import ClientTLS, RegistryTLSError
 
+pytestmark = pytest.mark.tls
+
 KV = KvSpec(mem_type="DRAM", device_id=0, base_addrs=[4096], num_blocks=8, block_len=65536)
 
 

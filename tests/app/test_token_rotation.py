@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.app.api.conftest import agent_body
 from tests.app.conftest import ADMIN, READER, tokens_file
 from tests.support.pki import Pki
 from tests.support.server import ROOT, RegistryProcess
+
+pytestmark = pytest.mark.tls
 
 OLD = "worker-token-old-0123456789"
 NEW = "worker-token-new-9876543210"

@@ -4,6 +4,8 @@ import pytest
 
 from app.topology import TopologyError, plan_targets
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("remote", "local", "rank", "ratio", "targets"),

@@ -25,7 +25,7 @@ from tests.deploy import k8s_support as k8s
 from workers.vllm_plugin import ENV_URL
 from workers.vllm_plugin.hook import ENV_GROUP, ENV_LAUNCH, ENV_ROLE, ENV_TOKEN
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(120)]
 
 TOKENS = {role: f"{role}-token-for-manifest-tests-0123" for role in ("reader", "worker", "admin")}
 

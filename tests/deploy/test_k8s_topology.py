@@ -37,7 +37,7 @@ from tests.docker.compose_support import image_environment
 from tests.docker.test_two_hosts import Deployment, http
 from tests.support import netns
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(240)]
 
 VENV = Path(sys.prefix)
 NAMESPACE = "engine-registry"

@@ -17,6 +17,8 @@ import yaml
 from tests.app.api.conftest import agent_body, launch
 from tests.support.server import ROOT, RegistryProcess
 
+pytestmark = pytest.mark.deploy
+
 MONITORING = ROOT / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
 RULES = MONITORING / "alerts.yaml"

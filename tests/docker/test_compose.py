@@ -50,7 +50,7 @@ needs_compose = pytest.mark.skipif(
     reason="docker-compose (Debian package docker-compose) is not installed: "
     "`make system-deps` installs it",
 )
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(120)]
 
 # What the README has the operator set; the rest keeps its defaults.
 OPERATOR_ENV = {"WORKER_TOKEN": "worker-token-for-compose-tests"}

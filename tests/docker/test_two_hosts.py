@@ -45,6 +45,7 @@ from tests.support import netns
 
 SKIP_REASON = netns.unavailable_reason()
 pytestmark = [
+    pytest.mark.deploy,
     pytest.mark.skipif(SKIP_REASON is not None, reason=f"two-host test: {SKIP_REASON}"),
     pytest.mark.timeout(300),
 ]

@@ -10,7 +10,7 @@ from workers import errors
 from workers.client import RegistryClient
 from workers.models import AgentItem, Compat, KvSpec
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.api, pytest.mark.timeout(60)]
 
 KV = KvSpec("DRAM", 0, [1 << 20, 2 << 20], 8, 512, 2)
 COMPAT: Compat = {"model": "m", "block_size": 4, "dtype": "float16"}

@@ -18,6 +18,8 @@ from workers import errors
 from workers.client import RegistryClient
 from workers.models import KvSpec
 
+pytestmark = pytest.mark.unit
+
 Handler = Callable[[httpx.Request], httpx.Response]
 
 

@@ -19,6 +19,8 @@ from workers.errors import TransferError
 from workers.kv import KvLayout, fill, kv_spec, plan_reads, verify
 from workers.models import KvSpec, Target
 
+pytestmark = pytest.mark.workers
+
 LAYOUT = KvLayout(num_layers=1, num_blocks=4, block_size=4, num_heads=2, head_size=8)
 
 

@@ -21,6 +21,8 @@ from workers.errors import EngineIdentityError
 from workers.identity import EngineIdentity
 from workers.tools.procs import free_port
 
+pytestmark = pytest.mark.workers
+
 Handler = Callable[[httpx.Request], httpx.Response]
 
 

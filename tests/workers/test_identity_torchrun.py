@@ -23,7 +23,7 @@ from tests.workers.torchrun_support import (
     wait_all,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.workers, pytest.mark.timeout(120)]
 
 PREFILL_ARGS = ["--serve-s", "30", "--exit-after-notifs", "1"]
 

@@ -14,6 +14,8 @@ import torch
 
 from workers.kv import KvLayout, ReadOp, engine_seed, fill, kv_spec, pattern, plan_reads, verify
 
+pytestmark = pytest.mark.workers
+
 LAYOUT = KvLayout(num_layers=2, num_blocks=5, block_size=4, num_heads=4, head_size=8)
 REMOTE_BLOCKS = [4, 2, 0]
 

@@ -10,6 +10,8 @@ import pytest
 from workers import prefill
 from workers.settings import PrefillSettings
 
+pytestmark = pytest.mark.workers
+
 
 def parse(argv: list[str]) -> PrefillSettings:
     return prefill.parse_args(argv)

@@ -21,7 +21,7 @@ from workers.identity import EngineIdentity
 from workers.models import AgentItem, KvSpec
 from workers.publication import BatchPublication
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.workers, pytest.mark.timeout(240)]
 
 BATCH_PUT = ("PUT", "/tp-groups/{group_id}/engine/agents")
 BATCH_HEARTBEAT = ("POST", "/tp-groups/{group_id}/engine/agents/heartbeat")

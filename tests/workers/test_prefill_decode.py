@@ -16,7 +16,7 @@ import pytest
 from tests.workers.torchrun_support import launched, logs, start_group, wait_all, wait_for_report
 from tests.workers.torchrun_support import reports as read_reports
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.workers, pytest.mark.timeout(150)]
 
 
 def run_pd(

@@ -11,6 +11,8 @@ import pytest
 
 from tests.app.api.conftest import Api, agent_body, invalid, new_gid, problem
 
+pytestmark = pytest.mark.api
+
 
 def agent_url(group: str, rank: int) -> str:
     return f"/tp-groups/{group}/engine/agents/{rank}"

@@ -16,6 +16,8 @@ import pytest
 from tests.app.api.conftest import agent_body, invalid, new_gid, problem, sqlite_url
 from tests.support.server import ROOT, RegistryProcess, free_port
 
+pytestmark = pytest.mark.api
+
 READER = "reader-token-7f3a9c1d2e"
 WORKER = "worker-token-b81e44a0c9"
 ADMIN = "admin-token-5d2c0f7e8a61"

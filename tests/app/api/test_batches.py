@@ -7,8 +7,11 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.app.api.conftest import Api, agent_body, invalid, problem
+
+pytestmark = pytest.mark.api
 
 
 def items(engine: dict[str, Any], ranks: list[int], **overrides: Any) -> dict[str, Any]:

@@ -14,6 +14,8 @@ import pytest
 from tests.app.api.conftest import Api, agent_body, invalid, new_gid, problem, sqlite_url
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 LIMIT = 65536
 
 

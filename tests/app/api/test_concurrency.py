@@ -15,6 +15,8 @@ import pytest
 from tests.app.api.conftest import Api, agent_body, launch, problem
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 T = TypeVar("T")
 WORKERS = 50
 

@@ -16,6 +16,8 @@ import pytest
 from tests.app.api.conftest import Api, blob, launch, new_gid, problem, sqlite_url
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RegistryProcess]:

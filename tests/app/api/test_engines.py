@@ -14,6 +14,8 @@ import pytest
 from tests.app.api.conftest import Api, agent_body, invalid, launch, new_gid, problem
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 ENGINE_FIELDS = {
     "group_id",
     "engine_id",

@@ -21,6 +21,8 @@ from tests.app.api.conftest import Api, agent_body, invalid, launch, new_gid, pr
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 READER = "reader-token-events-0123456789"
 WORKER = "worker-token-events-0123456789"
 KEEP = 40

@@ -14,6 +14,8 @@ import pytest
 from tests.app.api.conftest import agent_body
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 Step = tuple[str, str, Any]
 
 

@@ -17,6 +17,8 @@ from tests.support.etcd import EtcdCluster, etcd_available
 from tests.support.faults import record
 from tests.support.server import ROOT, RegistryProcess
 
+pytestmark = pytest.mark.faults
+
 pytest.importorskip("schemathesis", reason="schemathesis is not installed (dev extra)")
 
 MAX_EXAMPLES = 40

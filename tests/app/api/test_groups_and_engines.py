@@ -9,6 +9,8 @@ import pytest
 
 from tests.app.api.conftest import Api, invalid, launch, problem
 
+pytestmark = pytest.mark.api
+
 
 def test_list_groups_shows_the_current_engine_of_every_group(
     api: httpx.Client, reg: Api, gid: str

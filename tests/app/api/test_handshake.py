@@ -10,6 +10,8 @@ import pytest
 
 from tests.app.api.conftest import KV, Api, blob, invalid, new_gid, problem
 
+pytestmark = pytest.mark.api
+
 COMPAT = {"model": "llama-3-8b", "block_size": 16, "dtype": "bf16", "use_mla": True}
 
 

@@ -12,6 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.app.api.conftest import Api, agent_body, new_gid, sqlite_url
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:

@@ -14,6 +14,8 @@ import pytest
 from tests.app.api.conftest import launch, new_gid, problem, sqlite_url
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.api
+
 TIMEOUT_S = 1.0
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from app.registry import Registry
 from app.schemas import KvDescription, OpenEngineRequest, RegisterAgentRequest
 from app.store.sqlite import SqliteStore
+
+pytestmark = pytest.mark.unit
 
 KV = KvDescription(mem_type="DRAM", device_id=0, base_addrs=[4096], num_blocks=4, block_len=64)
 

@@ -17,6 +17,8 @@ from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import agent_body, open_body, record, wait_until
 from tests.support.server import ROOT, RegistryProcess
 
+pytestmark = pytest.mark.faults
+
 TTL_S = 5  # the contract's minimum
 # Expiry comes at most one TTL after the last heartbeat (sent every TTL/5, so well before
 # the kill), plus the store's granularity (etcd checks leases every 0.5 s) and polling.

@@ -6,8 +6,12 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from app.store import Compare, Delete, Put, Store
 from tests.app.store.conftest import StoreFactory
+
+pytestmark = pytest.mark.store
 
 
 def run(factory: StoreFactory, tmp_path: Path, body: object) -> None:

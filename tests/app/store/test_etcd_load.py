@@ -29,7 +29,7 @@ from app.store import Put
 from app.store import Unavailable as StoreUnavailable
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 
-pytestmark = pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)
+pytestmark = [pytest.mark.store, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
 from app.store.etcd import EtcdStore  # noqa: E402

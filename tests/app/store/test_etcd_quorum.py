@@ -25,6 +25,8 @@ from tests.support.faults import (
     wait_until,
 )
 
+pytestmark = pytest.mark.faults
+
 STORE_TIMEOUT_S = 2.0
 # The bound the contract promises: the store timeout plus a margin for HTTP and scheduling
 # on a loaded 2-core machine.

@@ -18,7 +18,7 @@ from tests.app.store.conftest import shared_etcd
 from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.server import free_port
 
-pytestmark = pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)
+pytestmark = [pytest.mark.store, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 aetcd = pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
 from app.store.etcd import EtcdStore  # noqa: E402

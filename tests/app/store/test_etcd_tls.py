@@ -24,6 +24,8 @@ from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.faults import agent_body, open_body
 from tests.support.server import ROOT, RegistryProcess
 
+pytestmark = pytest.mark.store
+
 
 def refusal_at_start(url: str, access: EtcdAccess) -> str:
     """What the store's start says when etcd refuses it (it must refuse)."""

@@ -14,6 +14,8 @@ from app.store import EtcdAccess, check_store_url, create_store
 from app.store.etcd import EtcdStore
 from app.store.etcd_config import parse_url, redact
 
+pytestmark = pytest.mark.unit
+
 
 def test_url_names_every_endpoint_and_the_prefix() -> None:
     parsed = parse_url("etcd://127.0.0.1:2379,[::1]:22379,etcd-2:32379/team-a")

@@ -10,8 +10,12 @@ import sqlite3
 import threading
 from pathlib import Path
 
+import pytest
+
 from app.store import Delete, Entry, Put
 from app.store.sqlite import SqliteStore
+
+pytestmark = pytest.mark.store
 
 
 async def _hold_thread(store: SqliteStore) -> tuple[threading.Event, asyncio.Task[None]]:

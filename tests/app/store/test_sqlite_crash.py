@@ -12,6 +12,8 @@ import pytest
 from tests.support.faults import FailoverClient, Storm, record, verify_nothing_lost
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.faults
+
 
 @pytest.mark.timeout(150)
 def test_sqlite_service_killed_mid_storm_keeps_every_answered_engine(tmp_path: Path) -> None:

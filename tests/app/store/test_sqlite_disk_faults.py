@@ -40,6 +40,8 @@ from tests.support.hostile import (
 )
 from tests.support.server import RegistryProcess
 
+pytestmark = pytest.mark.faults
+
 # A request that needs the store answers within the store timeout and this margin.
 MARGIN_S = 1.5
 WRITE_BOUND_S = STORE_TIMEOUT_S + MARGIN_S

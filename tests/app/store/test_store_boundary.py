@@ -7,8 +7,12 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from app.errors import StoreUnavailable, at_edge
 from app.store import Unavailable
+
+pytestmark = pytest.mark.unit
 
 STORE = Path(__file__).resolve().parents[2] / "app" / "store"
 FORBIDDEN = ("app.errors", "app.api", "app.registry", "app.main", "fastapi", "starlette")

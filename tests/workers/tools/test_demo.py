@@ -9,7 +9,7 @@ import pytest
 
 from tests.support.server import ROOT
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.workers, pytest.mark.timeout(150)]
 
 SMALL = [
     "--blocks", "4", "--block-size", "4", "--num-heads", "2", "--head-size", "16",

@@ -6,6 +6,8 @@ import pytest
 
 from workers.tools import demo
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_defaults_are_a_two_node_prefill_and_a_decode_of_another_tp_size() -> None:
     args = demo.parse_args([])

