@@ -1,7 +1,7 @@
 """docker/compose.yaml and docker/Dockerfile, checked without a Docker engine.
 
 A real compose parser (Debian's `docker-compose`, `config -q`) validates every profile; the
-reading the two-host test runs from (tests/e2e/compose_support.py) must agree with it; and the
+reading the two-host test runs from (tests/docker/compose_support.py) must agree with it; and the
 services must fit together: the torchrun flags of the prefill nodes, the workers' own flags,
 registry URLs that name registry services, an etcd cluster whose members agree, tokens that
 come only from a secret or the environment. The Dockerfile: multi-stage, non-root, a health

@@ -1,7 +1,7 @@
 """The client's policy (error mapping, retries, deadlines, failover) against scripted answers.
 
 These use httpx.MockTransport only to script failures a real service will not produce on
-demand; the contract itself is exercised against a real registry in tests/e2e.
+demand; the contract itself is exercised against a real registry in test_client_contract.py.
 """
 
 from __future__ import annotations

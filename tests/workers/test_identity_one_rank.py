@@ -1,7 +1,7 @@
 """sync_engine_id in a one-rank gloo world, and each rank's diagnosis of a disagreement.
 
-Groups of several ranks on two "nodes" run under torchrun in tests/e2e; here the registry's
-answers are scripted so that every cause can be produced on purpose.
+Groups of several ranks on two "nodes" run under torchrun in test_identity_torchrun.py; here
+the registry's answers are scripted so that every cause can be produced on purpose.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The store is storage only: no module of ``app/store`` imports the HTTP layer, the domain or
 the service's error classes; its one error is the storage-level ``Unavailable``, which the
-edge answers as 503 store_unavailable (tests/api/test_store_unavailable.py)."""
+edge answers as 503 store_unavailable (tests/app/api/test_store_unavailable.py)."""
 
 from __future__ import annotations
 

