@@ -5,16 +5,16 @@ edge answers as 503 store_unavailable (tests/app/api/test_store_unavailable.py).
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
 from app.errors import StoreUnavailable, at_edge
 from app.store import Unavailable
+from tests.support.server import ROOT
 
 pytestmark = pytest.mark.unit
 
-STORE = Path(__file__).resolve().parents[2] / "app" / "store"
+STORE = ROOT / "app" / "store"
 FORBIDDEN = ("app.errors", "app.api", "app.registry", "app.main", "fastapi", "starlette")
 
 
