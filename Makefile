@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SOURCES := app workers tests bench
 
-.PHONY: run test test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
+.PHONY: run test test-tier test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
 
 # The service alone: no torch, no nixl.
 $(VENV)/.service: pyproject.toml
@@ -42,11 +42,16 @@ test: $(VENV)/.dev system-deps check
 	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm"
 	$(MAKE) test-vllm
 
+# One tier (a marker: pyproject.toml lists them), e.g. `make test-tier TIER=unit`.
+test-tier: $(VENV)/.dev
+	@test -n "$(TIER)" || { echo "name a tier: make test-tier TIER=<unit|api|store|tls|ui|faults|workers|deploy|docs|vllm>"; exit 2; }
+	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "$(TIER)"
+
 vllm-env:
 	bash scripts/setup-vllm.sh
 
 test-vllm: $(VENV)/.dev vllm-env
-	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest tests/vllm -m vllm
+	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest tests/workers/vllm_plugin -m vllm
 
 demo: $(VENV)/.dev
 	$(BIN)/engine-registry demo

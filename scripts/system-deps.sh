@@ -20,7 +20,7 @@ if [ ${#need[@]} -gt 0 ]; then
     $sudo apt-get update -qq
     $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
-# Pinned: tests/ui/test_status_page.py finds them under `npm root -g`.
+# Pinned: tests/app/test_status_page.py finds them under `npm root -g`.
 npm_root="$(npm root -g)"
 npm_need=()
 [ -f "$npm_root/axe-core/axe.min.js" ] || npm_need+=(axe-core@4.14.1)

@@ -58,9 +58,49 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         _as_failure(report)
 
 
+# -- one tier per test module --------------------------------------------------------------------
+#
+# Folders mirror the packages (tests/app/api tests app/api); the tier is a marker. The tiers are
+# the markers pyproject.toml registers with a description starting "tier:"; every test module
+# declares exactly one of them in ``pytestmark`` (beside timeouts and skipifs), so
+# ``pytest -m <tier>`` (``make test-tier TIER=<tier>``) runs that tier and nothing else. A module
+# with none or several fails collection, naming itself and the tiers.
+
+
+def tiers(config: pytest.Config) -> list[str]:
+    """The tier markers registered in the ini file (pyproject.toml), in their order."""
+    names = []
+    for line in config.getini("markers"):
+        name, _, description = str(line).partition(":")
+        if description.strip().startswith("tier:"):
+            names.append(name.strip())
+    return names
+
+
+def tier_problem(module: pytest.Module, known: list[str]) -> str | None:
+    """Why ``module`` does not declare exactly one tier, or None when it does."""
+    declared = [mark.name for mark in module.own_markers if mark.name in known]
+    if len(declared) == 1:
+        return None
+    found = f"declares {len(declared)} ({', '.join(declared)})" if declared else "declares none"
+    return (
+        f"{module.path}: every test module declares exactly one tier marker, and this one "
+        f"{found}. Add one of {', '.join(known)} to its module-level pytestmark, e.g. "
+        f"`pytestmark = pytest.mark.{known[0]}` (the tiers: pyproject.toml, "
+        '[tool.pytest.ini_options] markers, descriptions starting "tier:").'
+    )
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.skipped and require_all():
         _as_failure(report)
+        return
+    known = tiers(collector.config)
+    if report.passed and known and isinstance(collector, pytest.Module):
+        problem = tier_problem(collector, known)
+        if problem is not None:
+            report.outcome = "failed"
+            report.longrepr = problem

@@ -25,7 +25,7 @@ from tests.deploy import k8s_support as k8s
 from workers.vllm_plugin import ENV_URL
 from workers.vllm_plugin.hook import ENV_GROUP, ENV_LAUNCH, ENV_ROLE, ENV_TOKEN
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(120)]
 
 TOKENS = {role: f"{role}-token-for-manifest-tests-0123" for role in ("reader", "worker", "admin")}
 
@@ -371,7 +371,7 @@ def test_missing_tools_fail_under_ci_and_skip_elsewhere(monkeypatch: pytest.Monk
 
 
 def test_the_vllm_image_target_runs_a_vllm_the_plugin_supports_as_non_root() -> None:
-    from tests.e2e.compose_support import dockerfile_instructions
+    from tests.docker.compose_support import dockerfile_instructions
     from workers.vllm_plugin import SUPPORTED_VLLM_VERSIONS
 
     instructions = dockerfile_instructions()

@@ -1,7 +1,7 @@
 """deploy/k8s's pods, run for real on hosts made of network namespaces.
 
 Rendered by `kubectl kustomize deploy/k8s/overlays/sqlite`; each pod gets its own network
-namespace with its own address (tests/e2e/netns.py), and runs its container's own command and
+namespace with its own address (tests/support/netns.py), and runs its container's own command and
 environment as LWS and the kubelet would make them (tests/deploy/k8s_support.py: LWS_* first,
 downward API, the Secrets' values, `$(VAR)` expanded). Substituted, as in the compose test:
 the image's /opt/venv is this checkout's .venv, volumes are the test's directories, Service and
@@ -33,11 +33,11 @@ from typing import Any
 import pytest
 
 from tests.deploy import k8s_support as k8s
-from tests.e2e import netns
-from tests.e2e.compose_support import image_environment
-from tests.e2e.test_two_hosts import Deployment, http
+from tests.docker.compose_support import image_environment
+from tests.docker.test_two_hosts import Deployment, http
+from tests.support import netns
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(240)]
 
 VENV = Path(sys.prefix)
 NAMESPACE = "engine-registry"

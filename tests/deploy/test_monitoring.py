@@ -14,8 +14,10 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.api.conftest import agent_body, launch
+from tests.app.api.conftest import agent_body, launch
 from tests.support.server import ROOT, RegistryProcess
+
+pytestmark = pytest.mark.deploy
 
 MONITORING = ROOT / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support.server import RegistryProcess, free_port
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.deploy, pytest.mark.timeout(60)]
 
 WORKER = "worker-token-for-probe-tests-0123"
 READER = "reader-token-for-probe-tests-0123"

@@ -15,6 +15,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+pytestmark = pytest.mark.docs
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 API_MD = DOCS / "api.md"

@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.server import ROOT
+
+pytestmark = pytest.mark.unit
 
 TORCH_FREE = [
     "workers.client",

@@ -8,11 +8,15 @@ import os
 import signal
 from collections.abc import Callable
 
+import pytest
+
 from tests.support.server import RegistryProcess
 from workers.client import RegistryClient
 from workers.errors import EngineIdMismatch
 from workers.models import EngineIdentity, KvSpec
 from workers.publication import Publication
+
+pytestmark = pytest.mark.api
 
 GROUP = "lease-0"
 

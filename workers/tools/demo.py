@@ -15,22 +15,19 @@ This orchestrator imports neither torch nor nixl: only the torchrun children do.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from workers.tls import VARS_OF_WORKERS, ClientTLS
-from workers.tools.procs import ROOT, RegistryProcess, free_port
+from workers.tools.procs import ROOT, Proc, RegistryProcess, free_port
 
 _PRINT_LOCK = threading.Lock()
 
@@ -79,23 +76,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    pump: threading.Thread | None = None
+def progress(name: str) -> Callable[[str], None]:
+    """Print a worker's progress lines (its `[prefill ...]`/`[decode ...]` ones), named."""
 
+    def echo(line: str) -> None:
+        if "[prefill " in line or "[decode " in line:
+            with _PRINT_LOCK:
+                print(f"  {name:>16} | {line.split('] ', 1)[-1]}", flush=True)
 
-def _pump(proc: Proc, stream: IO[bytes], quiet: bool) -> None:
-    with proc.log_path.open("ab") as log:
-        for raw in iter(stream.readline, b""):
-            log.write(raw)
-            line = raw.decode(errors="replace").rstrip()
-            interesting = "[prefill " in line or "[decode " in line
-            if interesting and not quiet:
-                with _PRINT_LOCK:
-                    print(f"  {proc.name:>16} | {line.split('] ', 1)[-1]}", flush=True)
+    return echo
 
 
 def worker_env() -> dict[str, str]:
@@ -107,44 +96,20 @@ def worker_env() -> dict[str, str]:
 
 
 def spawn(name: str, cmd: list[str], workdir: Path, quiet: bool) -> Proc:
-    popen = subprocess.Popen(
-        cmd,
-        cwd=workdir,
-        env={**os.environ, **worker_env()},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    proc = Proc(name, popen, workdir / f"{name}.log")
-    assert popen.stdout is not None
-    proc.pump = threading.Thread(target=_pump, args=(proc, popen.stdout, quiet), daemon=True)
-    proc.pump.start()
-    return proc
-
-
-def stop(proc: Proc, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group (torchrun forwards it to its workers), then SIGKILL."""
-    if proc.popen.poll() is None:
-        try:
-            os.killpg(proc.popen.pid, signal.SIGTERM)
-            proc.popen.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-            proc.popen.wait(timeout=5)
-    if proc.pump is not None:
-        proc.pump.join(timeout=5)
+    """One torchrun node in its own process group (stopped as one: torchrun forwards SIGTERM
+    to its workers), logging to `workdir/<name>.log`, its progress printed unless `quiet`."""
+    env = {**os.environ, **worker_env()}
+    log = workdir / f"{name}.log"
+    return Proc(name, cmd, env, log, cwd=workdir, echo=None if quiet else progress(name))
 
 
 def wait_all(procs: list[Proc], deadline: float) -> bool:
-    while any(p.popen.poll() is None for p in procs):
+    while any(p.alive() for p in procs):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
     for p in procs:
-        if p.pump is not None:
-            p.pump.join(timeout=5)
+        p.drain()
     return True
 
 
@@ -346,13 +311,13 @@ def run(args: argparse.Namespace, workdir: Path) -> int:
         # will, so they get a short grace and are then stopped (SIGTERM: a clean shutdown).
         if not wait_all(workers, min(deadline, time.monotonic() + 20)):
             for proc in workers:
-                stop(proc)
+                proc.stop()
         workers.extend(decoders)
         codes = {p.name: p.popen.returncode for p in workers}
         return 0 if summarize(args, report_dir, codes) else 1
     finally:
         for proc in reversed(procs):
-            stop(proc)
+            proc.stop()
         if registry is not None:
             registry.stop(grace_s=10.0)
 

@@ -1,6 +1,7 @@
 """Process helpers shared by the tests, the benchmarks, the demo and the vLLM launcher: one
 `free_port`, one way to run a registry (`engine-registry serve`) as a process, and `Proc`, a
-child in its own process group logging to a file (vLLM nodes, torchrun launches).
+child in its own process group logging to a file (vLLM nodes, torchrun launches, the demo's
+workers, whose lines it can also hand to a callback as they come).
 
 `RegistryProcess` starts `python -m app serve` on a port (a free loopback one unless given),
 waits for `/healthz` to answer 200 within a deadline (failing at once, with the log's tail,
@@ -17,8 +18,9 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Self
@@ -42,20 +44,46 @@ def log_tail(path: Path | None, chars: int = 2000) -> str:
 
 
 class Proc:
-    """One child in its own process group, logging to a file; stopped as a group."""
+    """One child in its own process group, logging to a file; stopped as a group.
+
+    ``echo``: also hand each line of its output (stdout and stderr, without the newline) to
+    this callback as it comes, from a thread of this process; the log file gets every line."""
 
     def __init__(
         self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path, *,
-        cwd: Path = ROOT,
+        cwd: Path = ROOT, echo: Callable[[str], None] | None = None,
     ) -> None:  # fmt: skip
         self.name = name
         self.cmd = list(cmd)
         self.log_path = log
-        with open(log, "ab") as out:  # the child keeps its own descriptor
-            self.popen = subprocess.Popen(
-                self.cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+        self.pump: threading.Thread | None = None
+        if echo is None:
+            with open(log, "ab") as out:  # the child keeps its own descriptor
+                self.popen = subprocess.Popen(
+                    self.cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            return
+        self.popen = subprocess.Popen(
+            self.cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        self.pump = threading.Thread(target=self._pump, args=(echo,), daemon=True)
+        self.pump.start()
+
+    def _pump(self, echo: Callable[[str], None]) -> None:
+        stream = self.popen.stdout
+        assert stream is not None  # a PIPE when there is an echo
+        with self.log_path.open("ab") as log, stream:
+            for raw in iter(stream.readline, b""):
+                log.write(raw)
+                log.flush()
+                echo(raw.decode(errors="replace").rstrip())
+
+    def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait (at most `timeout_s`) until the output of an exited child is all logged."""
+        if self.pump is not None:
+            self.pump.join(timeout=timeout_s)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -87,6 +115,7 @@ class Proc:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         self.wait(reap_s)
+        self.drain()
 
 
 class RegistryProcess:

@@ -16,7 +16,8 @@ dormant). It sends one request through the proxy, prints the registry's view, an
 Ctrl-C (`--once`: exits after that request). Every child runs in its own process group and is
 killed on exit.
 
-The classes here are the building blocks of the real-vLLM test tier (tests/vllm/).
+The classes here are the building blocks of the real-vLLM test tier (marker `vllm`,
+tests/workers/vllm_plugin/).
 """
 
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""What the etcd store adds to the contract: failover across endpoints, a bounded
+StoreUnavailable when no member answers, big blobs, and prefixes that keep deployments
+apart. Runs against the session's real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from app.store import Put, Store
+from app.store import Unavailable as StoreUnavailable
+from tests.app.store.conftest import shared_etcd
+from tests.support.etcd import SKIP_REASON, etcd_available
+from tests.support.server import free_port
+
+pytestmark = [pytest.mark.store, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
+aetcd = pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
+
+from app.store.etcd import EtcdStore  # noqa: E402
+
+
+def live_endpoint() -> tuple[str, int]:
+    host, port = shared_etcd().endpoints[0].split(":")
+    return host, int(port)
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(body())
+
+
+def test_dead_first_endpoint_fails_over_to_a_live_one() -> None:
+    async def body() -> None:
+        store = EtcdStore([("127.0.0.1", free_port()), live_endpoint()], uuid.uuid4().hex)
+        try:
+            t0 = time.monotonic()
+            assert (await store.txn([], [Put("a", b"1")])).succeeded
+            entry = await store.get("a")
+            assert entry is not None
+            assert entry.value == b"1"
+            assert time.monotonic() - t0 < 3
+        finally:
+            await store.close()
+
+    run(body)
+
+
+def test_no_member_answering_raises_store_unavailable_within_the_timeout() -> None:
+    async def body() -> None:
+        dead = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+        store = EtcdStore(dead, "nobody", timeout_s=1.0)
+        calls: list[Callable[[Store], Awaitable[object]]] = [
+            lambda s: s.get("a"),
+            lambda s: s.range("a/"),
+            lambda s: s.txn([], [Put("a", b"1")]),
+            lambda s: s.grant_lease(10),
+            lambda s: s.refresh_lease(1),
+            lambda s: s.revoke_lease(1),
+            lambda s: s.wait("a/", 0, 5.0),
+            lambda s: s.ping(),
+        ]
+        try:
+            for call in calls:
+                t0 = time.monotonic()
+                with pytest.raises(StoreUnavailable, match="etcd"):
+                    await call(store)
+                assert time.monotonic() - t0 < 1.5
+        finally:
+            await store.close()
+
+    run(body)
+
+
+def test_a_multi_megabyte_blob_round_trips() -> None:
+    async def body() -> None:
+        store = EtcdStore([live_endpoint()], uuid.uuid4().hex)
+        blob = bytes(range(256)) * (3 * 1024 * 4)  # 3 MiB, near the API's 4 MiB body limit
+        try:
+            assert (await store.txn([], [Put("blob", blob)])).succeeded
+            entry = await store.get("blob")
+            assert entry is not None
+            assert entry.value == blob
+        finally:
+            await store.close()
+
+    run(body)
+
+
+def test_stores_on_different_prefixes_do_not_see_each_other() -> None:
+    async def body() -> None:
+        a = EtcdStore([live_endpoint()], f"a-{uuid.uuid4().hex}")
+        b = EtcdStore([live_endpoint()], f"b-{uuid.uuid4().hex}")
+        try:
+            await a.txn([], [Put("groups/x/engine", b"a")])
+            assert await b.get("groups/x/engine") is None
+            assert (await b.range("")).entries == []
+            assert [e.key for e in (await a.range("")).entries] == ["groups/x/engine"]
+        finally:
+            await a.close()
+            await b.close()
+
+    run(body)
+
+
+def test_close_makes_later_calls_answer_store_unavailable() -> None:
+    async def body() -> None:
+        store = EtcdStore([live_endpoint()], uuid.uuid4().hex)
+        await store.ping()
+        await store.close()
+        with pytest.raises(StoreUnavailable, match="closed"):
+            await store.get("a")
+
+    run(body)

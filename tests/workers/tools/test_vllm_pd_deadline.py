@@ -1,0 +1,91 @@
+"""The PD request's deadline, against scripted prefill/decode HTTP servers (no vLLM).
+
+A decode that never answers (as one waiting forever on a KV transfer) must fail the request
+within the bound, with decode's last log lines, and the launcher's proxy must answer 504.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from workers.tools.vllm_pd import PDTimeout, Proxy, pd_complete
+
+pytestmark = pytest.mark.unit
+
+PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [1], "remote_port": 1}
+
+
+class _Scripted(BaseHTTPRequestHandler):
+    delay_s = 0.0
+    release = threading.Event()
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.release.wait(self.delay_s)
+        body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _serve(delay_s: float, release: threading.Event) -> ThreadingHTTPServer:
+    handler = type("H", (_Scripted,), {"delay_s": delay_s, "release": release})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def servers() -> Iterator[tuple[str, str]]:
+    release = threading.Event()
+    prefill, decode = _serve(0.0, release), _serve(60.0, release)  # decode never answers
+    try:
+        yield (
+            f"http://127.0.0.1:{prefill.server_port}",
+            f"http://127.0.0.1:{decode.server_port}",
+        )
+    finally:
+        release.set()
+        for server in (prefill, decode):
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_decode_that_never_answers_fails_within_the_bound_with_its_log(
+    servers: tuple[str, str],
+) -> None:
+    prefill, decode = servers
+    t0 = time.monotonic()
+    with pytest.raises(PDTimeout) as info:
+        pd_complete(prefill, decode, {"prompt": "p"}, timeout_s=1.0,
+                    decode_logs=lambda: "decode: waiting for KV of e1")  # fmt: skip
+    assert time.monotonic() - t0 < 5.0
+    message = str(info.value)
+    assert "within 1 s" in message
+    assert f"decode {decode}" in message  # the stage that was waiting, and the prefill's id
+    assert "engine e1" in message
+    assert message.endswith("decode: waiting for KV of e1")
+
+
+def test_the_proxy_answers_504_with_decodes_log(servers: tuple[str, str]) -> None:
+    prefill, decode = servers
+    proxy = Proxy(prefill, decode, decode_logs=lambda: "decode's tail", timeout_s=1.0).start()
+    try:
+        answer = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "p"}, timeout=30)
+    finally:
+        proxy.stop()
+    assert answer.status_code == 504
+    assert "decode's tail" in answer.json()["error"]
