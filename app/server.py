@@ -11,7 +11,9 @@ below adds, per connection:
 - ``max_header_bytes``: a request whose headers exceed this answers ``431`` and closes;
 - a malformed request gets a problem+json ``400`` (uvicorn's own is plain text).
 
-Idle keep-alive connections close after ``keep_alive_s`` (75 s, as nginx; uvicorn's 5 s
+One watchdog timer per connection keeps all these deadlines (no timer per request; see
+``guarded_protocol``). Idle keep-alive connections close after ``keep_alive_s`` (75 s, as
+nginx, give or take the watchdog's period, the shorter of the head and body timeouts; uvicorn's 5 s
 default raced clients' pools: aiohttp keeps an idle connection 15 s, and a request sent on a
 connection the server closes at that instant is reset, which broke the 1,024- and 4,096-rank
 storms; it also outlives a worker's heartbeat interval, so that connection is reused);
@@ -70,20 +72,60 @@ def _problem_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
 def guarded_protocol(
     header_timeout_s: float, max_header_bytes: int, max_connections: int, body_timeout_s: float
 ) -> type[HttpToolsProtocol]:
+    # One watchdog timer per connection checks all its deadlines (the head, the body, the
+    # keep-alive) and re-arms itself for the next: a request costs no timer of its own. It
+    # fires at most ``period`` apart, which is never longer than the head or body timeout, so
+    # a deadline set meanwhile is met exactly (a keep-alive close may come up to ``period``
+    # late).
+    period = min(header_timeout_s, body_timeout_s)
+
     class GuardedProtocol(HttpToolsProtocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _body_timer: asyncio.TimerHandle | None = None
+        _watch: asyncio.TimerHandle | None = None
         _active = 0.0  # when the connection last opened or finished an answer
         _header_bytes = 0  # bytes of unfinished heads received
         _head_bytes = 0  # the current head's URL and header fields
         _in_headers = True
+        _head_since = 0.0  # when the current head began (or the connection opened)
+        _in_body = False
+        _body_since = 0.0  # when the current request's headers completed
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._active = self.loop.time()
-            self._arm()
+            self._active = self._head_since = now = self.loop.time()
+            self._watch = self.loop.call_at(now + header_timeout_s, self._tick)
             if len(self.connections) > max_connections:
                 self._make_room()
+
+        def _tick(self) -> None:
+            self._watch = None
+            if self.transport.is_closing():
+                return
+            now = self.loop.time()
+            if self._in_headers:
+                due = self._head_since + header_timeout_s
+                if due <= now:
+                    if self._idle():
+                        self._refuse(
+                            408,
+                            "Request Timeout",
+                            "request_timeout",
+                            f"The request's headers did not arrive within {header_timeout_s:g} s.",
+                        )
+                        return
+                    due = now + period  # pipelined behind an answer still being made
+            elif self._in_body:
+                due = self._body_since + body_timeout_s
+                if due <= now:
+                    self._body_too_slow()
+                    return
+            elif self._idle() and not self.pipeline:
+                due = self._active + self.timeout_keep_alive
+                if due <= now:
+                    self.transport.close()
+                    return
+            else:
+                due = now + period  # the app is answering: nothing of the client's to time
+            self._watch = self.loop.call_at(min(due, now + period), self._tick)
 
         def _idle(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -109,14 +151,10 @@ def guarded_protocol(
                 "(REGISTRY_MAX_CONNECTIONS); retry shortly.",
             )
 
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
-
         def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
 
         def _refuse(self, status: int, reason: str, code: str, detail: str) -> None:
             self._disarm()
@@ -124,21 +162,11 @@ def guarded_protocol(
                 self.transport.write(_problem_bytes(status, reason, code, detail))
                 self.transport.close()
 
-        def _too_slow(self) -> None:
-            self._header_timer = None
-            if self._in_headers and (self.cycle is None or self.cycle.response_complete):
-                self._refuse(
-                    408,
-                    "Request Timeout",
-                    "request_timeout",
-                    f"The request's headers did not arrive within {header_timeout_s:g} s.",
-                )
-
         def on_message_begin(self) -> None:
             # A new request's first byte: its head is now being read, against the clock.
             self._in_headers = True
+            self._head_since = self.loop.time()
             self._head_bytes = 0
-            self._arm()
             super().on_message_begin()
 
         def on_url(self, url: bytes) -> None:
@@ -172,17 +200,16 @@ def guarded_protocol(
         def on_headers_complete(self) -> None:
             self._in_headers = False
             self._header_bytes = 0
-            self._disarm()
             if self._head_bytes > max_header_bytes:
                 self._too_large()
                 return
             super().on_headers_complete()
-            # Until the message completes, its body is on the clock (cancelled at once for
-            # a request without a body: its message completes in this same feed).
-            self._body_timer = self.loop.call_later(body_timeout_s, self._body_too_slow)
+            # Until the message completes, its body is on the clock (a request without a
+            # body completes in this same feed).
+            self._in_body = True
+            self._body_since = self.loop.time()
 
         def _body_too_slow(self) -> None:
-            self._body_timer = None
             cycle = self.cycle
             if cycle is not None and not cycle.response_started:
                 self._refuse(
@@ -201,20 +228,23 @@ def guarded_protocol(
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
-            if self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
+            self._in_body = False
             if not self.transport.is_closing():
                 super().on_message_complete()
 
         def on_response_complete(self) -> None:
+            # uvicorn's, but for its keep-alive timer: the watchdog closes idle connections.
             self._active = self.loop.time()
-            super().on_response_complete()
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if self._body_timer is not None:
-                self._body_timer.cancel()
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:

@@ -18,8 +18,12 @@ from app.events import EventLog
 from app.metrics import Metrics
 from app.observer import Observer
 from app.registry.records import (
+    AgentRecord,
     Decoded,
+    EngineRecord,
     IndexRecord,
+    _agent_key,
+    _engine_key,
     _group_prefix,
 )
 from app.registry.state import GroupState
@@ -188,7 +192,9 @@ class RegistryBase:
         and fails with them) instead of waiting for them. A refusal is an answer about the
         group, so it is only ever decided on durable state: read again, settled."""
         if writing:
-            state = await self._group_or_none(gid, settled=False)
+            state = await self._for_rank(gid, rank, engine_id)
+            if state is None:
+                state = await self._group_or_none(gid, settled=False)
             if state is not None and self._fits(state, rank, engine_id):
                 return state
         state = await self._group(gid)
@@ -197,6 +203,24 @@ class RegistryBase:
         if engine_id != state.engine.engine_id:
             raise await self._mismatch(state, rank, engine_id)
         return state
+
+    async def _for_rank(self, gid: str, rank: int, engine_id: str) -> GroupState | None:
+        """For a writer of a rank with no live agent: the engine and that rank's key only (two
+        lookups instead of decoding the whole group), unsettled as ``_current(writing=True)``
+        reads. None when the engine does not fit, or the rank has a live agent (whose lease a
+        writer must weigh against the other ranks': the whole group is read then)."""
+        entry = await self.store.get(_engine_key(gid), settled=False)
+        if entry is None:
+            return None
+        engine = self.decoded.record(entry, EngineRecord)
+        if rank >= engine.tp_size or engine_id != engine.engine_id:
+            return None
+        agent = await self.store.get(_agent_key(gid, rank), settled=False)
+        if agent is not None and self.decoded.record(agent, AgentRecord).engine_id == engine_id:
+            return None
+        revisions = {} if agent is None else {rank: agent.mod_revision}
+        revision = max([entry.mod_revision, *revisions.values()])
+        return GroupState(engine, entry.mod_revision, {}, revisions, {}, revision)
 
     @staticmethod
     def _fits(state: GroupState, rank: int, engine_id: str) -> bool:

@@ -106,7 +106,8 @@ class Store(ABC):
     description: str = ""
 
     @abstractmethod
-    async def get(self, key: str) -> Entry | None: ...
+    async def get(self, key: str, *, settled: bool = True) -> Entry | None:
+        """The live entry at ``key``; ``settled`` as for :meth:`range`."""
 
     @abstractmethod
     async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:

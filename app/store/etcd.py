@@ -136,7 +136,7 @@ class EtcdStore(Store):
         read.add_done_callback(settle)
         return read
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, key: str, *, settled: bool = True) -> Entry | None:
         reply = await self._read(self._key(key))
         return self._entry(reply.kvs[0]) if reply.kvs else None
 

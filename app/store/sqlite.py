@@ -205,9 +205,9 @@ class SqliteStore(Store):
 
     # -- reads -------------------------------------------------------------------------------
 
-    async def get(self, key: str) -> Entry | None:
+    async def get(self, key: str, *, settled: bool = True) -> Entry | None:
         await self._usable()
-        if key in self._pending.keys:
+        if settled and key in self._pending.keys:
             await self._pending.settle_keys([key])
         entry = self._kv.get(key)
         return entry if entry is not None and self._alive(entry, time.time()) else None

@@ -226,6 +226,53 @@ def test_silent_and_slow_connections_are_closed_soon_after_the_header_timeout(
     assert httpx.get(f"{short_headers.url}/healthz", timeout=5.0).status_code == 200
 
 
+def read_answer(sock: socket.socket) -> bytes:
+    """One whole answer (head and content-length body) from ``sock``; its status line."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection instead of answering"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+        if line.lower().startswith(b"content-length:")
+    )  # fmt: skip
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-answer"
+        body += chunk
+    assert len(body) == length, "more bytes than one answer"
+    return head.split(b"\r\n", 1)[0]
+
+
+KEEP_ALIVE_S = 3.0
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_keep_alive_connection_closes_after_keep_alive_s_and_requests_keep_it_open(
+    tmp_path: Path,
+) -> None:
+    env = {**SHORT_HEADERS, "REGISTRY_KEEP_ALIVE_S": f"{KEEP_ALIVE_S:g}"}
+    server = serve(tmp_path, tmp_path / "registry.db", env=env)
+    try:
+        with connect(server.port, timeout_s=15.0) as sock:
+            # A request every second for twice the keep-alive: each answer restarts its clock.
+            for _ in range(int(KEEP_ALIVE_S * 2)):
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+                assert read_answer(sock) == b"HTTP/1.1 200 OK"
+                time.sleep(1.0)
+            idle_since = time.monotonic() - 1.0
+            # Then idle: closed after the keep-alive, give or take the watchdog's period (the
+            # header timeout here); recv answers b"" at the close (bounded by the timeout).
+            assert sock.recv(1) == b""
+            idle = time.monotonic() - idle_since
+        assert idle >= KEEP_ALIVE_S * 0.9, f"closed {idle:.1f} s idle, before the keep-alive"
+        assert idle <= KEEP_ALIVE_S + HEADER_TIMEOUT_S + CLOSE_MARGIN_S, f"open {idle:.1f} s idle"
+    finally:
+        server.kill()
+
+
 @pytest.mark.timeout(120)
 def test_a_connection_that_never_sends_is_closed_within_65_s_with_the_default_settings(
     tmp_path: Path,
