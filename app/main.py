@@ -4,6 +4,7 @@ store. Nothing is built at import time."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -54,6 +55,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         except Exception as exc:
             log.error("cannot start: %s", exc, extra={"store": owned.description})
             raise
+        # What the store loaded (every entry and lease of the file) lives as long as the
+        # process: out of the collector's sight, a full collection never walks it again.
+        gc.freeze()
         app.state.registry = registry = Registry(owned, metrics, settings.events_keep)
         log.info("registry serving", extra={"store": owned.description})
         try:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -10,6 +18,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # The process's CPU, memory and descriptors, and the garbage collector's work per
+        # generation (process_*, python_gc_*: what an operator checks first under load).
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.requests = Counter(
             "registry_http_requests",
             "HTTP requests answered, by route template, method and status.",

@@ -8,10 +8,14 @@ from fastapi import FastAPI
 
 
 def app() -> FastAPI:
+    import gc
+
     from app import logs
     from app.main import create_app
+    from app.server import GC_THRESHOLD
     from app.settings import Settings
 
+    gc.set_threshold(*GC_THRESHOLD)  # as the registry's own server sets it
     settings = Settings()
     logs.configure(settings.log_level)
     return create_app(settings)

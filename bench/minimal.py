@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -120,8 +121,11 @@ def uvicorn_options() -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     import uvicorn
 
+    from app.server import GC_THRESHOLD
+
     kind, port = argv[0], int(argv[1])
     app = {"raw": lambda: raw_app, "fastapi": fastapi_app, "routes": routes_app}[kind]()
+    gc.set_threshold(*GC_THRESHOLD)  # the registry's own process setting (app/server.py)
     uvicorn.run(app, host="127.0.0.1", port=port, **uvicorn_options())
     return 0
 

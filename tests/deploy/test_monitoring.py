@@ -22,7 +22,7 @@ pytestmark = pytest.mark.deploy
 MONITORING = ROOT / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana-dashboard.json"
 RULES = MONITORING / "alerts.yaml"
-METRIC = re.compile(r"\bregistry_[a-z_]+\b")
+METRIC = re.compile(r"\b(?:registry|process|python_gc)_[a-z_]+\b")
 
 _DATASOURCE = {
     "type": "object",
