@@ -76,6 +76,7 @@ class SqliteStore(Store):
         self._revision = 0
         self._next_lease = 1
         self._pending = Pending(self.path, timeout_s, max_pending)
+        self._thread.on_settled = self._pending.wake
         # Leases renewed since their expiry was last written (see refresh_lease).
         self._dirty: set[int] = set()
         self._loaded = False

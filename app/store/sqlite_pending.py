@@ -12,7 +12,6 @@ key's prefix up to a ``/``), stands for every earlier one there: once it is dura
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable, Iterable
 
@@ -32,6 +31,7 @@ class Pending:
         self.inflight = 0
         self._seq = 0
         self._deadlines: list[tuple[float, asyncio.Future[None]]] = []
+        self._waiters: dict[asyncio.Future[None], list[asyncio.Future[None]]] = {}
         self._watchdog: asyncio.TimerHandle | None = None
         # How often the watchdog looks: a small share of the timeout, at most 0.1 s.
         self._period = min(0.1, max(timeout_s / 50, 0.005))
@@ -81,12 +81,17 @@ class Pending:
     async def durable(self, fut: asyncio.Future[None], deadline: float | None = None) -> None:
         """Wait for ``fut``'s commit, until ``deadline`` (monotonic) or the store's timeout.
 
-        Each waiter awaits a future of its own, relayed from the commit's (cancelling a
-        waiter must not cancel a commit others wait for), and one watchdog timer ends the
-        waits past their deadline (within ``_period``): no timer per wait."""
+        Each waiter awaits a future of its own (cancelling a waiter must not cancel a commit
+        others wait for), woken by :meth:`wake` as soon as the file's thread settles the
+        commit (in the same turn of the loop, not one callback later), and one watchdog timer
+        ends the waits past their deadline (within ``_period``): no timer per wait."""
         if not fut.done():
             waiter = asyncio.get_running_loop().create_future()
-            fut.add_done_callback(functools.partial(_relay, waiter))
+            waiters = self._waiters.get(fut)
+            if waiters is None:
+                self._waiters[fut] = [waiter]
+            else:
+                waiters.append(waiter)
             self._deadlines.append(
                 (time.monotonic() + self.timeout_s if deadline is None else deadline, waiter)
             )
@@ -102,6 +107,13 @@ class Pending:
         if not fut.cancelled() and isinstance(exc := fut.exception(), FileFailure):
             raise Unavailable(exc.detail) from exc
 
+    def wake(self, futs: Iterable[asyncio.Future[None]]) -> None:
+        """Commits settled (the file thread's hand-back, on the loop): wake their waiters."""
+        for fut in futs:
+            for waiter in self._waiters.pop(fut, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
+
     def _expire(self) -> None:
         now = time.monotonic()
         waiting = []
@@ -113,6 +125,8 @@ class Pending:
             else:
                 waiting.append((when, waiter))
         self._deadlines = waiting
+        if not waiting:  # commits whose waiters all left: forget them
+            self._waiters = {f: w for f, w in self._waiters.items() if not f.done()}
         self._watchdog = (
             asyncio.get_running_loop().call_later(self._period, self._expire) if waiting else None
         )
@@ -142,11 +156,6 @@ class Pending:
             await self.durable(item[1], deadline)  # raises if it failed
             if self.dirs.get(prefix) is item:
                 return  # committed; its bookkeeping callback has yet to run
-
-
-def _relay(waiter: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 _PARENTS: dict[str, list[str]] = {}  # a key's parent "directory" -> its dirs (few: groups)

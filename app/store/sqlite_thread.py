@@ -38,6 +38,8 @@ class FileThread:
         self._gathered: list[tuple[Change, asyncio.Future[None]]] = []
         self.batches = 0
         self.commits = 0
+        # Called on the loop right after a batch's futures settle (the store wakes its waiters).
+        self.on_settled: Callable[[list[asyncio.Future[None]]], None] | None = None
 
     def _submit(self, kind: str, payload: Any) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
@@ -121,7 +123,12 @@ class FileThread:
             except BaseException as exc:
                 self._poisoned = error = FileFailure(f"SQLite store failed: {exc!r}")
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(_settle_all, [fut for _, fut in batch], error)
+            loop.call_soon_threadsafe(self._settled, [fut for _, fut in batch], error)
+
+    def _settled(self, futs: list[asyncio.Future[None]], exc: BaseException | None) -> None:
+        _settle_all(futs, exc)
+        if self.on_settled is not None:
+            self.on_settled(futs)
 
     async def stop(self, timeout_s: float) -> None:
         if self._thread is None:
