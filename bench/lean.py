@@ -31,7 +31,7 @@ from typing import Any
 from bench.common import HOST, Server, free_port, process, registry_server, say, wait_http
 from bench.storm_lean import lean_batched, lean_etcd, lean_http
 
-ROUNDS = 3
+ROUNDS = 5
 SYSTEMS = ("registry", "registry_granian", "floor", "etcd_direct", "registry_batched")
 
 
