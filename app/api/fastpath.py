@@ -140,8 +140,7 @@ class FastPath:
             await self.app(scope, replayed(raw, receive), send)
             return
         scope["route"] = route
-        status, model = answer
-        body = model.__pydantic_serializer__.to_json(model)
+        status, body = encoded(answer)
         headers = [(b"content-length", str(len(body)).encode()), *_JSON]  # JSONResponse's order
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -191,6 +190,12 @@ class FastPath:
             raise Fallback
         body = _body(HandshakeRequest, raw)
         return 200, await self._registry(scope).handshake(engine_id, body)
+
+
+def encoded(answer: tuple[int, BaseModel]) -> tuple[int, bytes]:
+    """A handler's answer as status and JSON body, serialized once by its model."""
+    status, model = answer
+    return status, model.__pydantic_serializer__.to_json(model)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:

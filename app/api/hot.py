@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from app.api.fastpath import Fallback, FastPath, read_body, replayed
+from app.api.fastpath import Fallback, FastPath, encoded, read_body, replayed
 from app.auth import AuthMiddleware, required_role
 from app.errors import HttpProblem, RegistryError, at_edge
 from app.middleware import ObserveMiddleware, request_id_of
@@ -124,8 +124,7 @@ class HotPath:
             await self.inner(scope, replayed(raw, receive), send)
             return
         scope["route"] = route
-        status, model = answer
-        body = model.__pydantic_serializer__.to_json(model)
+        status, body = encoded(answer)
         try:
             # The headers FastAPI's JSONResponse and the request-id layer send, in their order.
             head = b"%s%d%s%s\r\n" % (_LENGTH, len(body), _JSON, request_id.encode())

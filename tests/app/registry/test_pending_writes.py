@@ -56,22 +56,31 @@ async def _ticks(n: int = 50) -> None:
         await asyncio.sleep(0)
 
 
+@asynccontextmanager
+async def _opened(tmp_path: Path, tp_size: int) -> AsyncIterator[tuple[SqliteStore, Registry, str]]:
+    """A registry on a real SQLite file with group p0 open: (store, registry, engine_id)."""
+    store = SqliteStore(tmp_path / "registry.db")
+    registry = Registry(store)
+    try:
+        engine, _ = await registry.open_engine(
+            "p0", OpenEngineRequest(launch_id="a", tp_size=tp_size, role="prefill")
+        )
+        yield store, registry, engine.engine_id
+    finally:
+        await store.close()
+
+
 def test_a_registration_does_not_wait_for_its_groups_pending_changes(tmp_path: Path) -> None:
     async def main() -> None:
-        store = SqliteStore(tmp_path / "registry.db")
-        registry = Registry(store)
-        try:
-            engine, _ = await registry.open_engine(
-                "p0", OpenEngineRequest(launch_id="a", tp_size=2, role="prefill")
-            )
+        async with _opened(tmp_path, 2) as (store, registry, engine_id):
             async with _held(store) as release:
                 first = asyncio.ensure_future(
-                    registry.register_agent("p0", 1, _agent(engine.engine_id, 1), None)
+                    registry.register_agent("p0", 1, _agent(engine_id, 1), None)
                 )
                 await _ticks()
                 assert store.stats()["pending"] == 1
                 second = asyncio.ensure_future(
-                    registry.register_agent("p0", 0, _agent(engine.engine_id, 0), None)
+                    registry.register_agent("p0", 0, _agent(engine_id, 0), None)
                 )
                 await _ticks()
                 # Decided on rank 1's pending change, not waiting for it: both are pending.
@@ -86,20 +95,13 @@ def test_a_registration_does_not_wait_for_its_groups_pending_changes(tmp_path: P
             state = await registry.get_engine("p0")
             assert state.ready
             assert state.registered_ranks == [0, 1]
-        finally:
-            await store.close()
 
     asyncio.run(main())
 
 
 def test_a_refusal_waits_for_the_pending_change_it_would_name(tmp_path: Path) -> None:
     async def main() -> None:
-        store = SqliteStore(tmp_path / "registry.db")
-        registry = Registry(store)
-        try:
-            old, _ = await registry.open_engine(
-                "p0", OpenEngineRequest(launch_id="a", tp_size=1, role="prefill")
-            )
+        async with _opened(tmp_path, 1) as (store, registry, old_engine_id):
             async with _held(store) as release:
                 relaunch = asyncio.ensure_future(
                     registry.open_engine(
@@ -110,7 +112,7 @@ def test_a_refusal_waits_for_the_pending_change_it_would_name(tmp_path: Path) ->
                 # A rank of the old launch: refused, but only once the relaunch is durable
                 # (a crash before it lands would make the refusal name an engine that never was).
                 stale = asyncio.ensure_future(
-                    registry.register_agent("p0", 0, _agent(old.engine_id, 0), None)
+                    registry.register_agent("p0", 0, _agent(old_engine_id, 0), None)
                 )
                 await _ticks()
                 assert not stale.done()
@@ -120,7 +122,5 @@ def test_a_refusal_waits_for_the_pending_change_it_would_name(tmp_path: Path) ->
                 with pytest.raises(EngineIdMismatch) as refused:
                     await asyncio.wait_for(stale, 30.0)
             assert refused.value.extras["expected_engine_id"] == new.engine_id
-        finally:
-            await store.close()
 
     asyncio.run(main())
