@@ -25,7 +25,6 @@ from app.registry.records import (
     Decoded,
     EngineRecord,
     IndexRecord,
-    utc_iso,
 )
 from app.registry.state import GroupState
 
@@ -44,5 +43,4 @@ __all__ = [
     "Registry",
     "RegistryBase",
     "_check_reachable",
-    "utc_iso",
 ]

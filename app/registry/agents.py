@@ -18,7 +18,6 @@ from app.registry.records import (
     _blob_key,
     _dump,
     _engine_key,
-    utc_iso,
 )
 from app.schemas import (
     Agent,
@@ -28,6 +27,7 @@ from app.schemas import (
     parse_host,
 )
 from app.store import Compare, Delete, Put
+from app.timefmt import utc_iso
 
 
 class AgentsMixin(RegistryBase):

@@ -193,9 +193,7 @@ class RegistryBase:
         group, so it is only ever decided on durable state: read again, settled."""
         if writing:
             state = await self._for_rank(gid, rank, engine_id)
-            if state is None:
-                state = await self._group_or_none(gid, settled=False)
-            if state is not None and self._fits(state, rank, engine_id):
+            if state is not None:
                 return state
         state = await self._group(gid)
         if rank >= state.engine.tp_size:
@@ -205,10 +203,11 @@ class RegistryBase:
         return state
 
     async def _for_rank(self, gid: str, rank: int, engine_id: str) -> GroupState | None:
-        """For a writer of a rank with no live agent: the engine and that rank's key only (two
-        lookups instead of decoding the whole group), unsettled as ``_current(writing=True)``
-        reads. None when the engine does not fit, or the rank has a live agent (whose lease a
-        writer must weigh against the other ranks': the whole group is read then)."""
+        """For a writer: the group read unsettled, as ``_current(writing=True)`` reads; None
+        when the engine does not fit (the caller then decides on durable state). For a rank
+        with no live agent, the engine and that rank's key only (two lookups instead of
+        decoding the whole group); a live agent's lease must be weighed against the other
+        ranks' (``release_leases``), so then the whole group."""
         entry = await self.store.get(_engine_key(gid), settled=False)
         if entry is None:
             return None
@@ -216,11 +215,12 @@ class RegistryBase:
         if rank >= engine.tp_size or engine_id != engine.engine_id:
             return None
         agent = await self.store.get(_agent_key(gid, rank), settled=False)
-        if agent is not None and self.decoded.record(agent, AgentRecord).engine_id == engine_id:
-            return None
-        revisions = {} if agent is None else {rank: agent.mod_revision}
-        revision = max([entry.mod_revision, *revisions.values()])
-        return GroupState(engine, entry.mod_revision, {}, revisions, {}, revision)
+        if agent is None or self.decoded.record(agent, AgentRecord).engine_id != engine_id:
+            revisions = {} if agent is None else {rank: agent.mod_revision}
+            revision = max([entry.mod_revision, *revisions.values()])
+            return GroupState(engine, entry.mod_revision, {}, revisions, {}, revision)
+        state = await self._group_or_none(gid, settled=False)  # etcd: it may have moved on
+        return state if state is not None and self._fits(state, rank, engine_id) else None
 
     @staticmethod
     def _fits(state: GroupState, rank: int, engine_id: str) -> bool:

@@ -20,10 +20,10 @@ from app.registry.records import (
     _blob_key,
     _dump,
     _engine_key,
-    utc_iso,
 )
 from app.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest, blob_of
 from app.store import Compare, Put
+from app.timefmt import utc_iso
 
 
 class BatchesMixin(AgentsMixin):
@@ -37,11 +37,9 @@ class BatchesMixin(AgentsMixin):
         for _ in range(MAX_ATTEMPTS):
             # As one registration (``_current(writing=True)``): decided on pending changes,
             # refused only on durable state.
-            maybe = await self._group_or_none(gid, settled=False)
-            fits = maybe is not None and all(
-                self._fits(maybe, item.rank, item.engine_id) for item in req.agents
-            )
-            state = maybe if fits and maybe is not None else await self._group(gid)
+            state = await self._group_or_none(gid, settled=False)
+            if state is None or not all(self._fits(state, i.rank, i.engine_id) for i in req.agents):
+                state = await self._group(gid)
             engine = state.engine
             for i, item in enumerate(req.agents):
                 if item.rank >= engine.tp_size:

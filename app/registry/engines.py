@@ -21,7 +21,6 @@ from app.registry.records import (
     _dump,
     _engine_key,
     _group_prefix,
-    utc_iso,
 )
 from app.registry.state import GroupState
 from app.schemas import (
@@ -29,6 +28,7 @@ from app.schemas import (
     OpenEngineRequest,
 )
 from app.store import Compare, Delete, Put, Unavailable
+from app.timefmt import utc_iso
 
 
 class EnginesMixin(RegistryBase):

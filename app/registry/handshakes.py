@@ -15,7 +15,6 @@ from app.errors import (
 from app.registry.base import RegistryBase
 from app.registry.records import (
     _blob_key,
-    utc_iso,
 )
 from app.schemas import (
     Handshake,
@@ -23,6 +22,7 @@ from app.schemas import (
     Target,
 )
 from app.store import Entry
+from app.timefmt import utc_iso
 from app.topology import TopologyError, plan_targets
 
 

@@ -11,7 +11,6 @@ from app.schemas import (
     Role,
 )
 from app.store import Entry
-from app.timefmt import utc_iso as utc_iso  # its home before app.timefmt
 
 # Optimistic transactions retry this often before giving up with 503 (never reached in
 # practice: each retry means another writer made progress).
@@ -105,9 +104,7 @@ class Decoded:
         if hit is not None and hit[0] == entry.mod_revision and type(hit[1]) is kind:
             return hit[1]
         value = kind.model_validate_json(entry.value)
-        if len(self._cache) >= self.LIMIT:
-            self._cache.clear()
-        self._cache[entry.key] = (entry.mod_revision, value)
+        self.remember(entry.key, entry.mod_revision, value)
         return value
 
 

@@ -11,13 +11,13 @@ from app.registry.records import (
     EngineRecord,
     _agent_prefix,
     _engine_key,
-    utc_iso,
 )
 from app.schemas import (
     AgentSummary,
     Engine,
 )
 from app.store import Snapshot
+from app.timefmt import utc_iso
 
 
 @dataclass
