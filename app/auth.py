@@ -69,12 +69,11 @@ def inline_tokens(text: str) -> Tokens:
     return parse_tokens(text.replace(",", "\n"), source="REGISTRY_TOKENS")
 
 
-def load_tokens(path: Path) -> Tokens:
+def read_tokens_file(path: Path) -> bytes:
     try:
-        text = path.read_text()
+        return path.read_bytes()
     except OSError as exc:
         raise TokenFileError(f"cannot read tokens file {path}: {exc.strerror}") from None
-    return parse_tokens(text, source=str(path))
 
 
 def required_role(method: str, path: str) -> RoleName | None:

@@ -31,7 +31,6 @@ from app.problems import field_errors, problem_response
 from app.registry import Registry
 from app.settings import Settings
 from app.store import Store, Unavailable, create_store
-from app.tokens import TokenSource
 from app.tokens import router as admin_router
 
 log = logging.getLogger("app")
@@ -40,7 +39,7 @@ log = logging.getLogger("app")
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
-    tokens = TokenSource(settings.tokens_file, settings.tokens)
+    tokens = settings.token_source()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.auth import Tokens, inline_tokens, load_tokens
+from app.auth import Tokens
 from app.store import EtcdAccess, check_store_url
+
+if TYPE_CHECKING:  # app.tokens imports FastAPI, which the CLI's other commands do not need
+    from app.tokens import TokenSource
 
 
 def is_loopback_host(host: str) -> bool:
@@ -23,6 +27,7 @@ def is_loopback_host(host: str) -> bool:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="REGISTRY_", extra="ignore")
+    _token_source: TokenSource | None = PrivateAttr(default=None)
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free).")
@@ -149,10 +154,14 @@ class Settings(BaseSettings):
             )
         return self
 
+    def token_source(self) -> TokenSource:
+        """The tokens file and ``REGISTRY_TOKENS``, read once: the open-network check above
+        reads them, and the service serves with that same source (reloads included)."""
+        if self._token_source is None:
+            from app.tokens import TokenSource
+
+            self._token_source = TokenSource(self.tokens_file, self.tokens)
+        return self._token_source
+
     def auth_tokens(self) -> Tokens:
-        tokens: Tokens = {}
-        if self.tokens_file is not None:
-            tokens.update(load_tokens(self.tokens_file))
-        if self.tokens:
-            tokens.update(inline_tokens(self.tokens))
-        return tokens
+        return self.token_source().tokens

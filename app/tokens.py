@@ -30,7 +30,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from app.auth import TokenFileError, Tokens, inline_tokens, parse_tokens
+from app.auth import TokenFileError, Tokens, inline_tokens, parse_tokens, read_tokens_file
 
 log = logging.getLogger("app")
 
@@ -73,12 +73,7 @@ class TokenSource:
         file_id: FileId | None = None
         if self.path is not None:
             file_id = _file_id(self.path)
-            try:
-                data = self.path.read_bytes()
-            except OSError as exc:
-                raise TokenFileError(
-                    f"cannot read tokens file {self.path}: {exc.strerror}"
-                ) from None
+            data = read_tokens_file(self.path)
             tokens.update(parse_tokens(data.decode("utf-8", "replace"), source=str(self.path)))
             digest = hashlib.sha256(data).hexdigest()
         if self.inline:
