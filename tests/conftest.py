@@ -67,14 +67,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # with none or several fails collection, naming itself and the tiers.
 
 
+_TIERS = pytest.StashKey[list[str]]()
+
+
 def tiers(config: pytest.Config) -> list[str]:
-    """The tier markers registered in the ini file (pyproject.toml), in their order."""
-    names = []
-    for line in config.getini("markers"):
-        name, _, description = str(line).partition(":")
-        if description.strip().startswith("tier:"):
-            names.append(name.strip())
-    return names
+    """The tier markers registered in the ini file (pyproject.toml), in their order (read once
+    a session)."""
+    if _TIERS not in config.stash:
+        names = []
+        for line in config.getini("markers"):
+            name, _, description = str(line).partition(":")
+            if description.strip().startswith("tier:"):
+                names.append(name.strip())
+        config.stash[_TIERS] = names
+    return config.stash[_TIERS]
 
 
 def tier_problem(module: pytest.Module, known: list[str]) -> str | None:
@@ -98,8 +104,11 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     if report.skipped and require_all():
         _as_failure(report)
         return
-    known = tiers(collector.config)
-    if report.passed and known and isinstance(collector, pytest.Module):
+    if (
+        report.passed
+        and isinstance(collector, pytest.Module)
+        and (known := tiers(collector.config))
+    ):
         problem = tier_problem(collector, known)
         if problem is not None:
             report.outcome = "failed"
