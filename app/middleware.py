@@ -65,6 +65,22 @@ def request_id_of(scope: Scope) -> str:
     return request_id
 
 
+def add_request_id(message: Message, request_id: str) -> None:
+    """Add ``X-Request-ID`` to a response start's headers (last, as every answer has it)."""
+    message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+
+
+def with_request_id(send: Send, request_id: str) -> Send:
+    """``send``, with ``X-Request-ID`` added to the response's start."""
+
+    async def tagged(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            add_request_id(message, request_id)
+        await send(message)
+
+    return tagged
+
+
 class ObserveMiddleware:
     """Gives each request an id (``X-Request-ID``, kept when the client sends a sane one),
     logs one line per request (within a budget, see :class:`AccessLogBudget`) and counts it
@@ -93,8 +109,7 @@ class ObserveMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                add_request_id(message, request_id)
             await send(message)
 
         try:

@@ -140,10 +140,7 @@ class FastPath:
             await self.app(scope, replayed(raw, receive), send)
             return
         scope["route"] = route
-        status, body = encoded(answer)
-        headers = [(b"content-length", str(len(body)).encode()), *_JSON]  # JSONResponse's order
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, *encoded(answer))
 
     def _registry(self, scope: Scope) -> Registry:
         if self._reg is None:
@@ -196,6 +193,12 @@ def encoded(answer: tuple[int, BaseModel]) -> tuple[int, bytes]:
     """A handler's answer as status and JSON body, serialized once by its model."""
     status, model = answer
     return status, model.__pydantic_serializer__.to_json(model)
+
+
+async def send_json(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-length", str(len(body)).encode()), *_JSON]  # JSONResponse's order
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:

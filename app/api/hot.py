@@ -26,13 +26,13 @@ import time
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from app.api.fastpath import Fallback, FastPath, encoded, read_body, replayed
+from app.api.fastpath import Fallback, FastPath, encoded, read_body, replayed, send_json
 from app.auth import AuthMiddleware, required_role
 from app.errors import HttpProblem, RegistryError, at_edge
-from app.middleware import ObserveMiddleware, request_id_of
+from app.middleware import ObserveMiddleware, request_id_of, with_request_id
 from app.problems import send_problem
 from app.store import Unavailable
 
@@ -114,11 +114,11 @@ class HotPath:
                 log.exception("unhandled error", extra={"path": scope["path"]})
                 exc = HttpProblem(500, "internal", "The registry failed unexpectedly; see its log.")
             scope["route"] = route
-            status = 500
+            error = at_edge(exc)
             try:
-                status = await _problem(send, at_edge(exc), scope, request_id)
+                await send_problem(with_request_id(send, request_id), error, scope)
             finally:
-                observe.finish(scope, request_id, status, started)
+                observe.finish(scope, request_id, error.status, started)
             return
         if answer is None:
             await self.inner(scope, replayed(raw, receive), send)
@@ -129,8 +129,7 @@ class HotPath:
             # The headers FastAPI's JSONResponse and the request-id layer send, in their order.
             head = b"%s%d%s%s\r\n" % (_LENGTH, len(body), _JSON, request_id.encode())
             if not self._write(cycle, status, head, body):
-                await send(_start(status, len(body), request_id))
-                await send({"type": "http.response.body", "body": body})
+                await send_json(with_request_id(send, request_id), status, body)
         finally:
             observe.finish(scope, request_id, status, started)
 
@@ -155,25 +154,3 @@ class HotPath:
             cycle.transport.close()
         cycle.on_response()
         return True
-
-
-def _start(status: int, length: int, request_id: str) -> Message:
-    return {
-        "type": "http.response.start",
-        "status": status,
-        "headers": [
-            (b"content-length", str(length).encode()),
-            (b"content-type", b"application/json"),
-            (b"x-request-id", request_id.encode()),
-        ],
-    }
-
-
-async def _problem(send: Send, error: RegistryError, scope: Scope, request_id: str) -> int:
-    async def with_id(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
-        await send(message)
-
-    await send_problem(send=with_id, error=error, scope=scope)
-    return error.status
