@@ -152,6 +152,10 @@ class Instance:
     def logs(self) -> list[str]:
         return [p.text() for p in self.procs]
 
+    def log_text(self) -> str:
+        """Every node's log, in one text."""
+        return "\n".join(self.logs())
+
     def tails(self, n: int = 3000) -> str:
         return "\n".join(f"--- {p.name} ---\n{p.text()[-n:]}" for p in self.procs)
 
@@ -246,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("prefill (TP 2 over two nodes) and decode (TP 1) starting...")
         say(f"prefill healthy after {prefill.wait_healthy(args.timeout):.1f} s: {prefill.url}")
         say(f"decode healthy after {decode.wait_healthy(args.timeout):.1f} s: {decode.url}")
-        proxy = Proxy(prefill.url, decode.url, args.proxy_port, decode_logs=decode.tails).start()
+        proxy = Proxy(prefill.url, decode.url, args.proxy_port, decode_logs=decode.log_text).start()
         started.append(proxy)
         say(f"proxy {proxy.url}/v1/completions")
         body = {

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
+
 PD_TIMEOUT_S = 90.0
 
 
@@ -72,10 +74,11 @@ def pd_complete(
             stage = f"decode {decode_url} (pulling KV from engine {params.get('remote_engine_id')})"
             return _post(http, f"{decode_url}/v1/completions", decode_body, deadline), params
     except httpx.TimeoutException as exc:
-        tail = decode_logs() if decode_logs is not None else "(decode's log not given)"
+        log = decode_logs() if decode_logs is not None else "(decode's log not given)"
         raise PDTimeout(
             f"PD request did not finish within {timeout_s:.0f} s: {stage} had not answered "
-            f"({type(exc).__name__}). Decode's last log lines:\n{tail}"
+            f"({type(exc).__name__}).\n{nixl_state(prefill_url, decode_url, log)}\n"
+            f"Decode's last log lines:\n{log[-3000:]}"
         ) from exc
 
 
@@ -84,16 +87,41 @@ def complete(url: str, body: Mapping[str, Any], *, timeout_s: float = 120.0) -> 
         return http.post(f"{url}/v1/completions", json=dict(body))
 
 
+def nixl_counters(url: str, timeout_s: float = 60.0) -> dict[str, float]:
+    """An instance's NIXL counters from its `/metrics` (`vllm:nixl_*` counts and totals,
+    summed over label sets): transfers done, failed, blocks expired, notifications failed."""
+    text = httpx.get(f"{url}/metrics", timeout=timeout_s, trust_env=False).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:nixl_"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith(("_count", "_total")):
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def nixl_transfers(decode_url: str, timeout_s: float = 60.0) -> float:
     """Decode's `vllm:nixl_xfer_time_seconds_count` (0 when absent). A generous deadline: on a
     2-core machine decode's API server shares its cores with spinning vLLM workers (an idle
     CPU decode worker spins at ~95% of its core) and answered /metrics after more than 10 s."""
-    text = httpx.get(f"{decode_url}/metrics", timeout=timeout_s).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:nixl_xfer_time_seconds_count"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return nixl_counters(decode_url, timeout_s).get("vllm:nixl_xfer_time_seconds_count", 0.0)
+
+
+def nixl_state(prefill_url: str, decode_url: str, decode_log: str) -> str:
+    """What a stuck PD request's NIXL side looked like: decode worker's KV-pull watch lines
+    (the stage: handshake pending, READ posted, not posted) and both sides' NIXL counters."""
+    watch = [line for line in decode_log.splitlines() if KV_WATCH_MARK in line][-6:]
+    lines = ["decode's KV-pull watch (workers.vllm_plugin.kv_watch):"]
+    lines += watch or ["  (no line: decode's worker did not poll its transfers, or no plugin)"]
+    for side, url in (("decode", decode_url), ("prefill", prefill_url)):
+        try:
+            counters = nixl_counters(url, timeout_s=5.0)
+            shown = ", ".join(f"{k.removeprefix('vllm:nixl_')}={v:g}" for k, v in counters.items())
+        except httpx.HTTPError as exc:
+            shown = f"/metrics unanswered ({type(exc).__name__})"
+        lines.append(f"{side} NIXL counters: {shown or 'none'}")
+    return "\n".join(lines)
 
 
 class Proxy:

@@ -57,6 +57,9 @@ class PluginSettings(BaseSettings):
     refuse_exit_s: float = Field(
         10.0, ge=0, le=3600, description="seconds a refusing worker waits before it exits, >= 0"
     )
+    kv_wait_warn_s: float = Field(
+        10.0, gt=0, le=3600, description="a decode worker logs a KV pull waiting this long: s"
+    )
     launch_id: str = Field(
         "", description="the launch's id; made up by its first process when unset"
     )

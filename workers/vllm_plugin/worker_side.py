@@ -22,7 +22,7 @@ from workers.errors import EngineIdentityError, RegistryError
 from workers.identity import sync_engine_id
 from workers.models import AgentItem, EngineIdentity, KvSpec
 from workers.publication import Publication
-from workers.vllm_plugin import common
+from workers.vllm_plugin import common, kv_watch
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import compat_of
 from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
@@ -240,5 +240,8 @@ def attach_publication(connector: Any, config: Any) -> None:
         return shutdown(*args, **kwargs) if shutdown is not None else None
 
     connector.register_kv_caches = register_then_publish
+    settings = _state.settings
+    if settings is not None:
+        kv_watch.attach(connector, kv_watch.KvWatch(warn_s=settings.kv_wait_warn_s))
     if shutdown is not None:
         connector.shutdown = deregister_then_shutdown

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from workers.tools.vllm_pd import PDTimeout, Proxy, pd_complete
+from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 
 pytestmark = pytest.mark.unit
 
@@ -28,6 +29,17 @@ class _Scripted(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         return
+
+    def do_GET(self) -> None:  # /metrics, as vLLM exports NIXL's counters
+        body = (
+            b'vllm:nixl_xfer_time_seconds_count{engine="0"} 3.0\n'
+            b'vllm:nixl_num_kv_expired_reqs_total{engine="0"} 1.0\n'
+            b"vllm:nixl_xfer_time_seconds_sum 0.5\n"
+        )
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length", 0)))
@@ -69,15 +81,32 @@ def test_a_decode_that_never_answers_fails_within_the_bound_with_its_log(
 ) -> None:
     prefill, decode = servers
     t0 = time.monotonic()
+    watch = f"{KV_WATCH_MARK} for request r1 from engine e1 has waited 10 s: READ posted: 2"
+    log = f"early line\n{watch}\ndecode: waiting for KV of e1"
     with pytest.raises(PDTimeout) as info:
-        pd_complete(prefill, decode, {"prompt": "p"}, timeout_s=1.0,
-                    decode_logs=lambda: "decode: waiting for KV of e1")  # fmt: skip
+        pd_complete(prefill, decode, {"prompt": "p"}, timeout_s=1.0, decode_logs=lambda: log)
     assert time.monotonic() - t0 < 5.0
     message = str(info.value)
     assert "within 1 s" in message
     assert f"decode {decode}" in message  # the stage that was waiting, and the prefill's id
     assert "engine e1" in message
+    # The NIXL state: the decode worker's own stage line and both sides' counters.
+    assert f"kv_watch):\n{watch}\n" in message
+    for side in ("decode", "prefill"):
+        assert (
+            f"{side} NIXL counters: xfer_time_seconds_count=3, num_kv_expired_reqs_total=1\n"
+            in message
+        )
     assert message.endswith("decode: waiting for KV of e1")
+
+
+def test_without_a_watch_line_the_message_says_the_worker_did_not_poll(
+    servers: tuple[str, str],
+) -> None:
+    prefill, decode = servers
+    with pytest.raises(PDTimeout) as info:
+        pd_complete(prefill, decode, {"prompt": "p"}, timeout_s=1.0, decode_logs=lambda: "")
+    assert "decode's worker did not poll its transfers" in str(info.value)
 
 
 def test_the_proxy_answers_504_with_decodes_log(servers: tuple[str, str]) -> None:

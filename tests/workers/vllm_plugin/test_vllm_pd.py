@@ -26,6 +26,7 @@ from workers.errors import EngineSuperseded
 from workers.tools import cpu_amx
 from workers.tools.vllm_launch import ROOT, Instance, Registry
 from workers.tools.vllm_pd import complete, nixl_transfers, pd_complete
+from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 from workers.vllm_plugin.resolve import resolve_remote_engine, split_dp_suffix
 
 NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "workers" / "vllm_plugin" / "nofix")}
@@ -62,6 +63,8 @@ class _Shared:
             registry_token=self.registry.tokens.worker,
             group="decode-0",
             role="decode",
+            # The KV-pull watch says every pull's stage (handshake pending, READ posted).
+            extra_env={"ENGINE_REGISTRY_KV_WAIT_WARN_S": "0.001"},
         )
 
     def body(self, max_tokens: int = 8) -> dict[str, Any]:
@@ -77,7 +80,9 @@ class _Shared:
 
     def pd(self, prefill: Instance) -> tuple[httpx.Response, dict[str, Any]]:
         """A PD request through `prefill` and the shared decode, bounded, decode's log on fail."""
-        return pd_complete(prefill.url, self.decode.url, self.body(), decode_logs=self.decode.tails)
+        return pd_complete(
+            prefill.url, self.decode.url, self.body(), decode_logs=self.decode.log_text
+        )
 
     def prefill_instance(self, name: str, *, plugin: bool, **kw: Any) -> Instance:
         return Instance(
@@ -247,6 +252,11 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         again, _ = shared.pd(prefill)
         FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
         assert again.status_code == 200, (again.text[:1000], shared.decode.tails())
+        # The plugin's KV-pull watch read real vLLM's bookkeeping: the first pull waited on
+        # its NIXL handshake, and each pull's end was said.
+        watch = [line for line in shared.decode.log_text().splitlines() if KV_WATCH_MARK in line]
+        assert any("handshake pending" in line for line in watch), shared.decode.tails()
+        assert sum(" ended after " in line for line in watch) >= 2, watch
 
         # Decode side: kv_transfer_params -> the prefill instance, through the registry (a
         # handshake lookup is a worker's call: the reader token may not make it).

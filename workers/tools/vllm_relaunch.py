@@ -1,0 +1,169 @@
+"""`python -m workers.tools.vllm_relaunch --rounds 20`: the real-vLLM tier's relaunch path in a
+loop, counting the rounds whose PD request hangs.
+
+Each round is what `test_relaunched_prefill_gets_a_new_generation` does: the prefill instance
+(TP 2 over two nodes, plugin on, 10 s lease) is stopped, its ranks leave the registry, a new
+prefill launch opens the next generation, a fresh decode (TP 1) starts, and one PD request goes
+prefill -> decode with a deadline. A request that does not finish in time is a hang: the round's
+logs, a `py-spy dump` of every vLLM process (when `py-spy` is in `.venv-vllm`) and decode's
+NIXL state are kept in `WORKDIR/round-N/`, and the loop goes on. It prints one line per round
+and a summary (rounds, hangs, the machine's CPU).
+
+`--debug` runs vLLM with `VLLM_LOGGING_LEVEL=DEBUG` and NIXL/UCX at `info`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from workers.tools import cpu_amx
+from workers.tools.vllm_launch import ROOT, VLLM_VENV, Instance, Registry, build_model, say
+from workers.tools.vllm_pd import PDTimeout, complete, pd_complete
+
+NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "workers" / "vllm_plugin" / "nofix")}
+DEBUG_ENV = {"VLLM_LOGGING_LEVEL": "DEBUG", "NIXL_LOG_LEVEL": "INFO", "UCX_LOG_LEVEL": "info"}
+PROMPT = "The registry issues one engine id per launch of a tensor parallel group"
+
+
+def _dump_stacks(instance: Instance, out: Path) -> None:
+    """`py-spy dump` of every process of the instance (its process groups), if py-spy is there."""
+    spy = VLLM_VENV / "bin" / "py-spy"
+    if not spy.exists():
+        (out / f"{instance.name}-stacks.txt").write_text("py-spy not installed in .venv-vllm\n")
+        return
+    lines: list[str] = []
+    for proc in instance.procs:
+        pgid = proc.popen.pid
+        pids = subprocess.run(
+            ["pgrep", "-g", str(pgid)], capture_output=True, text=True, timeout=10
+        ).stdout.split()
+        for pid in pids:
+            dump = subprocess.run(
+                [str(spy), "dump", "--locals", "--pid", pid],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            lines.append(f"===== {proc.name} pid {pid} =====\n{dump.stdout}{dump.stderr}")
+    (out / f"{instance.name}-stacks.txt").write_text("\n".join(lines))
+
+
+def _keep(instances: Sequence[Instance | None], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for instance in instances:
+        if instance is None:
+            continue
+        for proc in instance.procs:
+            with contextlib.suppress(OSError):
+                shutil.copy(proc.log_path, out / proc.log_path.name)
+
+
+def _stop_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: every instance is stopped
+
+
+def run(args: argparse.Namespace) -> int:
+    workdir: Path = args.workdir
+    say(f"workdir {workdir}; CPU {cpu_amx.state().cpu_model}")
+    model = build_model(workdir)
+    registry = Registry(workdir).start()
+    extra = dict(NOFIX, ENGINE_REGISTRY_TTL_S="10", **(DEBUG_ENV if args.debug else {}))
+    body: dict[str, Any] = {"model": str(model), "prompt": PROMPT, "max_tokens": 8}
+    body["temperature"] = 0
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    hangs: list[int] = []
+    failures: list[int] = []
+    try:
+        for n in range(1, args.rounds + 1):
+            t0 = time.monotonic()
+            for running in (prefill, decode):
+                if running is not None:
+                    running.stop()
+            prefill = Instance(
+                f"prefill-r{n}", model, workdir, tp=2, nodes=2, cores=("0", "1"),
+                registry_url=registry.url, registry_token=registry.tokens.worker,
+                group="prefill-0", role="prefill", extra_env=extra,
+            ).start()  # fmt: skip
+            up_p = prefill.wait_healthy(args.start_timeout)
+            decode = Instance(
+                f"decode-r{n}", model, workdir, cores=("1",), registry_url=registry.url,
+                registry_token=registry.tokens.worker, group="decode-0", role="decode",
+                extra_env={k: v for k, v in extra.items() if k != "PYTHONPATH"},
+            ).start()  # fmt: skip
+            up_d = decode.wait_healthy(args.start_timeout)
+            own = complete(prefill.url, body)
+            t1 = time.monotonic()
+            outcome = "ok"
+            try:
+                answer, _ = pd_complete(
+                    prefill.url, decode.url, body, timeout_s=args.pd_timeout,
+                    decode_logs=decode.log_text,
+                )  # fmt: skip
+                if answer.status_code != 200:
+                    outcome = f"HTTP {answer.status_code}"
+                elif answer.json()["choices"][0]["text"] != own.json()["choices"][0]["text"]:
+                    outcome = "text differs"
+            except PDTimeout:
+                outcome = "HANG"
+            except httpx.HTTPError as exc:
+                outcome = f"error {type(exc).__name__}"
+            pd_s = time.monotonic() - t1
+            if outcome != "ok":
+                (hangs if outcome == "HANG" else failures).append(n)
+                out = workdir / f"round-{n}"
+                _keep((prefill, decode), out)
+                for instance in (decode, prefill):
+                    _dump_stacks(instance, out)
+                say(f"round {n}: {outcome}; logs and stacks in {out}")
+            say(
+                f"round {n}: {outcome}; prefill healthy {up_p:.0f} s, decode {up_d:.0f} s, "
+                f"PD {pd_s:.1f} s, round {time.monotonic() - t0:.0f} s; hangs so far "
+                f"{len(hangs)}, other failures {len(failures)}"
+            )
+            if outcome != "ok" and args.stop_on_hang:
+                break
+    finally:
+        for running in (prefill, decode):
+            if running is not None:
+                with contextlib.suppress(Exception):
+                    running.stop()
+        registry.stop()
+    say(
+        f"summary: {args.rounds} rounds planned, hangs in rounds {hangs or 'none'}, other "
+        f"failures in {failures or 'none'}; CPU {cpu_amx.state().cpu_model}"
+    )
+    return 1 if hangs or failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers.tools.vllm_relaunch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--workdir", type=Path, help="logs and model (default: a temp dir, kept)")
+    p.add_argument("--pd-timeout", type=float, default=60.0, help="a PD request's deadline")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--debug", action="store_true", help="vLLM DEBUG logs, NIXL/UCX info")
+    p.add_argument("--stop-on-hang", action="store_true")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    if args.workdir is None:
+        args.workdir = Path(tempfile.mkdtemp(prefix="vllm-relaunch-"))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
