@@ -31,6 +31,7 @@ import httpx
 from workers.tools import cpu_amx
 from workers.tools.vllm_launch import ROOT, VLLM_VENV, Instance, Registry, build_model, say
 from workers.tools.vllm_pd import PDTimeout, complete, pd_complete
+from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 
 NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "workers" / "vllm_plugin" / "nofix")}
 DEBUG_ENV = {"VLLM_LOGGING_LEVEL": "DEBUG", "NIXL_LOG_LEVEL": "INFO", "UCX_LOG_LEVEL": "info"}
@@ -101,7 +102,10 @@ def run(args: argparse.Namespace) -> int:
             decode = Instance(
                 f"decode-r{n}", model, workdir, cores=("1",), registry_url=registry.url,
                 registry_token=registry.tokens.worker, group="decode-0", role="decode",
-                extra_env={k: v for k, v in extra.items() if k != "PYTHONPATH"},
+                extra_env={
+                    **{k: v for k, v in extra.items() if k != "PYTHONPATH"},
+                    "ENGINE_REGISTRY_KV_WAIT_WARN_S": str(args.watch_s),
+                },
             ).start()  # fmt: skip
             up_d = decode.wait_healthy(args.start_timeout)
             own = complete(prefill.url, body)
@@ -121,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
             except httpx.HTTPError as exc:
                 outcome = f"error {type(exc).__name__}"
             pd_s = time.monotonic() - t1
+            pulls = [line.split("] ", 1)[-1] for line in decode.log_text().splitlines()
+                     if KV_WATCH_MARK in line]  # fmt: skip
+            if pulls:
+                say(f"round {n}: decode's KV-pull watch: {pulls[-1]}")
             if outcome != "ok":
                 (hangs if outcome == "HANG" else failures).append(n)
                 out = workdir / f"round-{n}"
@@ -156,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pd-timeout", type=float, default=60.0, help="a PD request's deadline")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--debug", action="store_true", help="vLLM DEBUG logs, NIXL/UCX info")
+    p.add_argument("--watch-s", type=float, default=0.001,
+                   help="decode logs each KV pull waiting this long, with its stage")  # fmt: skip
     p.add_argument("--stop-on-hang", action="store_true")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
