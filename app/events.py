@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from datetime import datetime
 from typing import Any, Literal
 
@@ -120,7 +120,7 @@ class EventLog:
         self._refusals: dict[Hashable, Event] = {}  # buffered, by fold key
         self._others: dict[Hashable, Event] = {}
         self._distinct: dict[tuple[str, str], int] = {}  # refusals by (kind, group) this flush
-        self._seen: dict[tuple[str, int], set[int]] = {}
+        self._seen: dict[str, dict[int, set[int]]] = {}  # engine_id -> decode TP -> ranks
         self._seen_ranks = 0
         self._parsed: dict[str, Event] = {}
         self._stored: int | None = None  # events in the store, as last counted plus written
@@ -198,7 +198,8 @@ class EventLog:
         remembered is bounded (``SEEN_LIMIT`` ranks in all), and so is what an event lists
         (``LIST_ITEMS`` ranks of each kind, with ``decode_rank_count``)."""
         key = (engine_id, decode_tp_size)
-        ranks = self._seen.get(key)
+        by_tp = self._seen.get(engine_id)
+        ranks = None if by_tp is None else by_tp.get(decode_tp_size)
         if ranks is not None and decode_rank in ranks:
             return
         if self._seen_ranks >= SEEN_LIMIT:
@@ -206,7 +207,7 @@ class EventLog:
             self._seen_ranks = 0
             ranks = None
         if ranks is None:
-            ranks = self._seen[key] = set()
+            ranks = self._seen.setdefault(engine_id, {}).setdefault(decode_tp_size, set())
         ranks.add(decode_rank)
         self._seen_ranks += 1
         held = self._others.get(("handshake", key))
@@ -226,6 +227,14 @@ class EventLog:
             "target_ranks": _some([], target_ranks),
         }
         self.record("handshake", group_id, _handshake_detail(fields), key, fields)
+
+    def forget_engines(self, engine_ids: Iterable[str]) -> None:
+        """These engines are gone (their group deleted or relaunched): nothing more is
+        remembered of their handshakes."""
+        for engine_id in engine_ids:
+            by_tp = self._seen.pop(engine_id, None)
+            if by_tp is not None:
+                self._seen_ranks -= sum(len(ranks) for ranks in by_tp.values())
 
     # -- writing ------------------------------------------------------------------------------
 

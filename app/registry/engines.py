@@ -90,6 +90,8 @@ class EnginesMixin(RegistryBase):
             )
             if result.succeeded:
                 self.decoded.forget(gid, keep_engines=True)  # its agents and blobs are gone
+                if state is not None:
+                    self.events.forget_engines([state.engine.engine_id])
                 self.decoded.remember(_engine_key(gid), result.revision, engine, len(engine_json))
                 self.decoded.remember(
                     f"engines/{engine.engine_id}", result.revision, index, len(index_json)
@@ -149,5 +151,6 @@ class EnginesMixin(RegistryBase):
             result = await self.store.txn([Compare(_engine_key(gid), state.engine_revision)], ops)
             if result.succeeded:
                 self.decoded.forget(gid)  # nothing is kept for a group that is gone
+                self.events.forget_engines(engine_ids)
                 return
         raise StoreUnavailable(f"Deleting group {gid!r} lost too many races.")
