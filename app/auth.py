@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import os
+import stat
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -69,11 +71,31 @@ def inline_tokens(text: str) -> Tokens:
     return parse_tokens(text.replace(",", "\n"), source="REGISTRY_TOKENS")
 
 
+TOKENS_FILE_BYTES = 1024 * 1024
+
+
 def read_tokens_file(path: Path) -> bytes:
+    """The file's bytes. Opened without blocking and read only when it is a regular file of
+    at most ``TOKENS_FILE_BYTES``: a FIFO, a device or a socket put in its place is refused
+    at once (it would block the event loop that reads it)."""
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as exc:
         raise TokenFileError(f"cannot read tokens file {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TokenFileError(f"tokens file {path} is not a regular file")
+        if st.st_size > TOKENS_FILE_BYTES:
+            raise TokenFileError(
+                f"tokens file {path} is larger than {TOKENS_FILE_BYTES} bytes ({st.st_size})"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(TOKENS_FILE_BYTES + 1)
+    except OSError as exc:
+        raise TokenFileError(f"cannot read tokens file {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def required_role(method: str, path: str) -> RoleName | None:

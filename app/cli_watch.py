@@ -5,13 +5,16 @@ Plain ANSI (cursor home, clear to end of line and of screen), no curses. Each fr
 generation, engine, ranks; not the ticking lease) is marked ``*``, a new one ``+``, and a
 group gone is listed below the table as ``-``. When the registry does not answer, the frame
 says so (and since when), keeps the last table, and the next frame tries again. Ctrl-C ends it
-with the cursor restored and exit status 0.
+with the cursor restored and exit status 0, also when it was started with SIGINT ignored
+(a background job of a non-interactive shell): it is a display a person ends with Ctrl-C.
 """
 
 from __future__ import annotations
 
+import signal
 import ssl
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,6 +116,7 @@ class Watch:
         self.out.flush()
 
     def run(self) -> int:
+        _take_ctrl_c()
         self.out.write(HIDE_CURSOR + "\x1b[2J")
         try:
             while True:
@@ -124,3 +128,9 @@ class Watch:
         finally:
             self.out.write(SHOW_CURSOR + "\n")
             self.out.flush()
+
+
+def _take_ctrl_c() -> None:
+    """SIGINT raises KeyboardInterrupt, even when the watch inherited it ignored."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.store.base import Unavailable
+from app.store.base import TooLarge, Unavailable
 
 PROBLEM_TYPE_BASE = "urn:engine-registry:problem:"
 
@@ -174,4 +174,6 @@ def at_edge(error: RegistryError | Unavailable) -> RegistryError:
     """The problem to answer: a registry error as it is, a store's ``Unavailable`` as 503."""
     if isinstance(error, RegistryError):
         return error
+    if isinstance(error, TooLarge):
+        return PayloadTooLarge(str(error))
     return StoreUnavailable(str(error))

@@ -10,7 +10,14 @@ recording is a dictionary update. The store keeps the newest ``keep`` events und
 Handshakes are recorded only when they are new information: the first plan of a decode rank
 (by its TP size and rank) against a prefill engine_id (one engine_id per generation). A rank
 handshaking again against the same engine adds nothing, and costs one dictionary lookup.
-Identical refusals within one flush are folded into one event with a ``count``.
+Identical refusals within one flush are folded into one event with a ``count``; past
+``FOLD_AFTER`` distinct refusals of one kind for one group within one flush, the rest fold
+into one event too (``fields.folded``), so a flood of made-up ids makes a few events a second.
+
+Refusals never crowd out the other kinds: when the buffer is full a refusal goes first, and
+the store's trim keeps the newest ``keep // 2`` handshakes and lease expiries whatever the
+refusals did. Each event is at most ``EVENT_BYTES`` of JSON (``app.budgets``); an event the
+store still refuses for its size is dropped and counted, never sent again.
 
 Ids sort by time: ``{unix_ms:013d}-{replica:8 hex}-{sequence:06d}``.
 """
@@ -23,22 +30,24 @@ import logging
 import os
 import re
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from app.budgets import LIST_ITEMS, bounded_event
 from app.errors import InvalidRequest, RegistryError
 from app.metrics import Metrics
-from app.store import Delete, Put, Store, Unavailable
+from app.store import Delete, Entry, Put, Store, TooLarge, Unavailable
 from app.timefmt import utc_iso
 
 log = logging.getLogger("app.events")
 
 PREFIX = "events/"
 TXN_OPS = 100  # below etcd's default --max-txn-ops (128)
-SEEN_LIMIT = 100_000  # handshake keys remembered before the memory starts over
+SEEN_LIMIT = 100_000  # decode ranks remembered (all pairs together) before it starts over
+FOLD_AFTER = 16  # distinct refusals of one kind for one group per flush, then they fold
 
 Kind = Literal[
     "engine_id_mismatch",
@@ -52,6 +61,7 @@ REFUSALS = frozenset(
     {"engine_id_mismatch", "incompatible", "launch_superseded", "engine_superseded"}
 )
 
+_KIND = re.compile(rb'"kind":"([a-z_]+)"')
 _ID = re.compile(r"^\d{13}-[0-9a-f]{8}-\d{6}$")
 _TIME = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$")
 
@@ -107,8 +117,11 @@ class EventLog:
         self.slack = max(1, keep // 10)  # trimmed past keep + slack: a range read per slack
         self.replica = os.urandom(4).hex()
         self._seq = itertools.count(1)
-        self._pending: dict[Hashable, Event] = {}
-        self._seen: dict[tuple[str, int], set[int]] = {}
+        self._refusals: dict[Hashable, Event] = {}  # buffered, by fold key
+        self._others: dict[Hashable, Event] = {}
+        self._distinct: dict[tuple[str, str], int] = {}  # refusals by (kind, group) this flush
+        self._seen: dict[str, dict[int, set[int]]] = {}  # engine_id -> decode TP -> ranks
+        self._seen_ranks = 0
         self._parsed: dict[str, Event] = {}
         self._stored: int | None = None  # events in the store, as last counted plus written
         self._last_flush = 0.0
@@ -119,6 +132,7 @@ class EventLog:
 
     def _new(self, kind: Kind, group_id: str, detail: str, fields: dict[str, Any]) -> Event:
         now = time.time()
+        detail, fields = bounded_event(detail, fields)
         return Event(
             id=f"{int(now * 1000):013d}-{self.replica}-{next(self._seq) % 1_000_000:06d}",
             at=utc_iso(now),
@@ -128,20 +142,39 @@ class EventLog:
             fields=fields,
         )
 
+    @property
+    def _pending(self) -> list[Event]:
+        """Every buffered event, oldest first."""
+        return sorted((*self._refusals.values(), *self._others.values()), key=lambda e: e.id)
+
     def record(
         self, kind: Kind, group_id: str, detail: str, fold: Hashable, fields: dict[str, Any]
     ) -> None:
         """Buffer an event; one identical to a buffered one (same ``fold``) adds to its count."""
-        key = (kind, fold)
-        held = self._pending.get(key)
+        buffer = self._refusals if kind in REFUSALS else self._others
+        key: Hashable = (kind, fold)
+        held = buffer.get(key)
         if held is not None:
             held.count += 1
             held.at = utc_iso(time.time())
             return
-        if len(self._pending) >= self.keep:
-            self._pending.pop(next(iter(self._pending)))
+        if kind in REFUSALS:
+            n = self._distinct.get((kind, group_id), 0)
+            self._distinct[(kind, group_id)] = n + 1
+            if n >= FOLD_AFTER:  # a flood of distinct refusals: the rest fold into one
+                key = (kind, group_id, "folded")
+                fields = {**fields, "folded": True}
+                held = buffer.get(key)
+                if held is not None:  # it shows the latest of them, and how many
+                    held.count += 1
+                    held.at = utc_iso(time.time())
+                    held.detail, held.fields = bounded_event(detail, fields)
+                    return
+        if len(self._refusals) + len(self._others) >= self.keep:
+            full = self._refusals or self._others  # a refusal goes first
+            full.pop(next(iter(full)))
             self.metrics.events_dropped.inc()
-        self._pending[key] = self._new(kind, group_id, detail, fields)
+        buffer[key] = self._new(kind, group_id, detail, fields)
         self._schedule()
 
     def refusal(self, error: RegistryError, group_id: str, **fields: Any) -> None:
@@ -161,30 +194,47 @@ class EventLog:
         decode_rank: int,
         target_ranks: list[int],
     ) -> None:
-        """The first plan of this decode rank against this engine; again: nothing."""
+        """The first plan of this decode rank against this engine; again: nothing. What is
+        remembered is bounded (``SEEN_LIMIT`` ranks in all), and so is what an event lists
+        (``LIST_ITEMS`` ranks of each kind, with ``decode_rank_count``)."""
         key = (engine_id, decode_tp_size)
-        ranks = self._seen.get(key)
+        by_tp = self._seen.get(engine_id)
+        ranks = None if by_tp is None else by_tp.get(decode_tp_size)
         if ranks is not None and decode_rank in ranks:
             return
+        if self._seen_ranks >= SEEN_LIMIT:
+            self._seen.clear()
+            self._seen_ranks = 0
+            ranks = None
         if ranks is None:
-            if len(self._seen) >= SEEN_LIMIT:
-                self._seen.clear()
-            ranks = self._seen[key] = set()
+            ranks = self._seen.setdefault(engine_id, {}).setdefault(decode_tp_size, set())
         ranks.add(decode_rank)
-        held = self._pending.get(("handshake", key))
+        self._seen_ranks += 1
+        held = self._others.get(("handshake", key))
         if held is not None:  # this second's event for the pair: add the rank to it
-            held.fields["decode_ranks"] = sorted(ranks)
-            held.fields["target_ranks"] = sorted({*held.fields["target_ranks"], *target_ranks})
-            held.detail = _handshake_detail(held.fields)
+            f = held.fields
+            f["decode_rank_count"] = f.get("decode_rank_count", 1) + 1
+            f["decode_ranks"] = _some(f["decode_ranks"], [decode_rank])
+            f["target_ranks"] = _some(f["target_ranks"], target_ranks)
+            held.detail = _handshake_detail(f)
             return
         fields = {
             "engine_id": engine_id,
             "generation": generation,
             "decode_tp_size": decode_tp_size,
-            "decode_ranks": sorted(ranks),
-            "target_ranks": sorted(target_ranks),
+            "decode_ranks": [decode_rank],
+            "decode_rank_count": 1,
+            "target_ranks": _some([], target_ranks),
         }
         self.record("handshake", group_id, _handshake_detail(fields), key, fields)
+
+    def forget_engines(self, engine_ids: Iterable[str]) -> None:
+        """These engines are gone (their group deleted or relaunched): nothing more is
+        remembered of their handshakes."""
+        for engine_id in engine_ids:
+            by_tp = self._seen.pop(engine_id, None)
+            if by_tp is not None:
+                self._seen_ranks -= sum(len(ranks) for ranks in by_tp.values())
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -210,37 +260,67 @@ class EventLog:
 
     async def flush(self) -> None:
         """Write the buffered events (and trim the store to ``keep``). On a store failure
-        they stay buffered (bounded) for the next flush."""
+        they stay buffered (bounded) for the next flush; an event the store refuses for its
+        size is dropped (counted), never sent again."""
         self._last_flush = time.monotonic()
-        if not self._pending:
+        self._distinct.clear()
+        batch = self._pending
+        if not batch:
             return
-        batch = list(self._pending.values())
-        self._pending.clear()
+        self._refusals.clear()
+        self._others.clear()
+        written = 0
         try:
             for i in range(0, len(batch), TXN_OPS):
-                puts = [
-                    Put(PREFIX + e.id, e.model_dump_json().encode()) for e in batch[i : i + TXN_OPS]
-                ]
-                await self.store.txn([], puts)
-            await self._trim(len(batch))
+                chunk = batch[i : i + TXN_OPS]
+                written += await self._write(chunk)
+            await self._trim(written)
         except Unavailable as exc:
             log.warning(
                 "events not written yet, kept for the next flush", extra={"error": str(exc)}
             )
-            for event in batch[-self.keep :]:
-                self._pending.setdefault(("unwritten", event.id), event)
+            for event in batch[written:][-self.keep :]:
+                buffer = self._refusals if event.kind in REFUSALS else self._others
+                buffer.setdefault(("unwritten", event.id), event)
+
+    async def _write(self, chunk: list[Event]) -> int:
+        """Write ``chunk`` in one transaction; if the store refuses it for its size, each
+        event alone, dropping those it refuses alone. Returns how many were handled."""
+        puts = [Put(PREFIX + e.id, e.model_dump_json().encode()) for e in chunk]
+        try:
+            await self.store.txn([], puts)
+            return len(chunk)
+        except TooLarge:
+            pass
+        for put in puts:
+            try:
+                await self.store.txn([], [put])
+            except TooLarge as exc:
+                self.metrics.events_dropped.inc()
+                log.warning(
+                    "an event the store refuses for its size was dropped",
+                    extra={"event": put.key, "bytes": len(put.value), "error": str(exc)},
+                )
+        return len(chunk)
 
     async def _trim(self, written: int) -> None:
+        """Delete the oldest events past ``keep``; the newest ``keep // 2`` that are not
+        refusals stay whatever the refusals did (a flood cannot push them out)."""
         if self._stored is not None:
             self._stored += written
             if self._stored <= self.keep + self.slack:
                 return
-        keys = [e.key for e in (await self.store.range(PREFIX)).entries]
-        self._stored = len(keys)
-        excess = keys[: max(0, len(keys) - self.keep)]
-        for i in range(0, len(excess), TXN_OPS):
-            await self.store.txn([], [Delete(k) for k in excess[i : i + TXN_OPS]])
-        self._stored -= len(excess)
+        entries = (await self.store.range(PREFIX)).entries
+        self._stored = len(entries)
+        excess = len(entries) - self.keep
+        if excess <= 0:
+            return
+        others = [e.key for e in entries if not _is_refusal(e)]
+        kept = set(others[len(others) - self.keep // 2 :]) if self.keep >= 2 else set()
+        doomed = [e.key for e in entries if e.key not in kept][:excess]
+        for i in range(0, len(doomed), TXN_OPS):
+            await self.store.txn([], [Delete(k) for k in doomed[i : i + TXN_OPS]])
+        self._stored -= len(doomed)
 
     async def close(self) -> None:
         if self._timer is not None:
@@ -263,7 +343,7 @@ class EventLog:
             parsed[entry.key] = held or Event.model_validate_json(entry.value)
         self._parsed = parsed
         by_id = {k: e for k, e in parsed.items() if k >= low}
-        for event in self._pending.values():
+        for event in self._pending:
             if PREFIX + event.id >= low:
                 by_id.setdefault(PREFIX + event.id, event)
         ordered = [by_id[k] for k in sorted(by_id)]
@@ -275,9 +355,21 @@ class EventLog:
         )
 
 
+def _is_refusal(entry: Entry) -> bool:
+    kind = _KIND.search(entry.value)
+    return kind is None or kind.group(1).decode() in REFUSALS
+
+
+def _some(ranks: list[int], more: list[int]) -> list[int]:
+    """``ranks`` with ``more`` added: sorted, distinct, the lowest ``LIST_ITEMS`` of them."""
+    return sorted({*ranks, *more[: LIST_ITEMS + 1]})[:LIST_ITEMS]
+
+
 def _handshake_detail(f: dict[str, Any]) -> str:
+    n = f.get("decode_rank_count", len(f["decode_ranks"]))
+    shown = _ranks(f["decode_ranks"]) + (f"… ({n} ranks)" if n > len(f["decode_ranks"]) else "")
     return (
-        f"decode TP {f['decode_tp_size']} ranks {_ranks(f['decode_ranks'])} planned against "
+        f"decode TP {f['decode_tp_size']} ranks {shown} planned against "
         f"prefill engine {f['engine_id']} (generation {f['generation']}), target ranks "
         f"{_ranks(f['target_ranks'])}"
     )

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from app.budgets import MAX_TEXT, too_long
+
 GROUP_ID_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
 MAX_TP_SIZE = 65536
 MAX_COMPAT_KEYS = 32
@@ -29,7 +31,10 @@ MAX_COMPAT_KEYS = 32
 GroupId = Annotated[str, StringConstraints(pattern=GROUP_ID_PATTERN)]
 Role = Literal["prefill", "decode", "both"]
 CompatValue = (
-    StrictBool | StrictInt | Annotated[StrictFloat, Field(allow_inf_nan=False)] | StrictStr
+    StrictBool
+    | StrictInt
+    | Annotated[StrictFloat, Field(allow_inf_nan=False)]
+    | Annotated[StrictStr, StringConstraints(max_length=MAX_TEXT)]
 )
 CompatKey = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Compat = Annotated[dict[CompatKey, CompatValue], Field(max_length=MAX_COMPAT_KEYS)]
@@ -67,6 +72,16 @@ class KvDescription(BaseModel):
     ]
     num_blocks: Annotated[StrictInt, Field(ge=1)]
     block_len: Annotated[StrictInt, Field(ge=1)]
+
+    @model_validator(mode="after")
+    def _text_budget(self) -> KvDescription:
+        where = too_long(self.__pydantic_extra__ or {})
+        if where is not None:
+            raise ValueError(
+                f"kv.{where} is longer than {MAX_TEXT} characters (the budget of every "
+                "free-form string the registry keeps)"
+            )
+        return self
 
 
 @functools.lru_cache(maxsize=4096)

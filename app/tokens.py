@@ -6,6 +6,10 @@ path). A reload swaps one reference: ``AuthMiddleware`` reads ``TokenSource.toke
 request and nothing else. Tokens present in both files stay valid across the swap, so a
 rotation adds the new token, rolls the clients over, then drops the old one.
 
+A file modified less than ``SETTLE_S`` ago is not read on ``SIGHUP``: it may be half
+rewritten in place; the poller reloads it once it holds still. A file that is not a regular
+file (a FIFO, a device) is refused without being opened for a blocking read.
+
 A file that does not parse, cannot be read, or has no token at all keeps the previous tokens
 in force; the error log names the file and the line (never a token). Each accepted reload
 is a new *generation*: its number, when it was loaded and the sha256 of the file's bytes are
@@ -21,6 +25,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -35,6 +40,7 @@ from app.auth import TokenFileError, Tokens, inline_tokens, parse_tokens, read_t
 log = logging.getLogger("app")
 
 CHECK_INTERVAL_S = 1.0
+SETTLE_S = 1.0  # a file modified this recently may be half written: not read on SIGHUP
 FileId = tuple[int, int, int]  # inode, size, mtime in ns
 _UNSEEN: FileId = (-1, -1, -1)
 
@@ -120,6 +126,24 @@ class TokenSource:
         )
         return True
 
+    def on_sighup(self) -> None:
+        """SIGHUP: reload now if the file has held still for ``SETTLE_S``; else leave it to
+        the poller, which reloads a changed file once it holds still for a check."""
+        if self.path is None:
+            return
+        try:
+            age_s = time.time() - self.path.stat().st_mtime
+        except OSError:
+            age_s = SETTLE_S  # reload() says what is wrong with it
+        if age_s >= SETTLE_S:
+            self.reload("SIGHUP")
+            return
+        log.info(
+            "tokens file modified under a second ago: reloaded once it holds still",
+            extra={"tokens_file": str(self.path), "trigger": "SIGHUP"},
+        )
+        self._pending = _UNSEEN
+
     def check(self) -> None:
         """Reload when the file changed and held still since the previous check."""
         if self.path is None:
@@ -144,7 +168,7 @@ class TokenSource:
         loop = asyncio.get_running_loop()
         on_signal = threading.current_thread() is threading.main_thread()
         if on_signal:
-            loop.add_signal_handler(signal.SIGHUP, self.reload, "SIGHUP")
+            loop.add_signal_handler(signal.SIGHUP, self.on_sighup)
 
         async def poll() -> None:
             while True:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import report_lean
+from bench import report_lean, soak
 
 OPS = ("open", "get_engine", "register", "heartbeat", "handshake", "wait_ready")
 
@@ -329,4 +329,6 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
         lines += _handshake(results["handshake"])
     if "transfer" in results:
         lines += _transfer(results["transfer"])
+    if "soak" in results:
+        lines += soak.section(results["soak"])
     return "\n".join(lines).rstrip() + "\n"

@@ -1,4 +1,4 @@
-"""``python -m bench.run [--quick] [--only storm,handshake,transfer] [--report-only]``: run
+"""``python -m bench.run [--quick] [--only storm,handshake,transfer,soak] [--report-only]``: run
 the benchmarks, write ``bench/results/<name>.json`` and the table ``bench/results/latest.md``.
 
 ``--quick`` (under about a minute) runs the smallest storm and few iterations: a smoke test of
@@ -18,7 +18,7 @@ from typing import Any
 from bench.common import RESULTS, machine, say, wait_quiet, write_result
 from bench.report import markdown
 
-QUESTIONS = ("lean", "storm", "lookups", "handshake", "transfer")
+QUESTIONS = ("lean", "storm", "lookups", "handshake", "transfer", "soak")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,16 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from app.api.fastpath import Fallback, FastPath, encoded, read_body, replayed, send_json
+from app.api.fastpath import (
+    Fallback,
+    FastPath,
+    encoded,
+    over_limit,
+    path_parts,
+    read_body,
+    replayed,
+    send_json,
+)
 from app.auth import AuthMiddleware, required_role
 from app.errors import HttpProblem, RegistryError, at_edge
 from app.middleware import ObserveMiddleware, request_id_of, with_request_id
@@ -84,9 +93,14 @@ class HotPath:
             return
         observe, auth, fast = parts
         method = scope["method"]
-        path_parts = scope["path"].strip("/").split("/")
-        entry = fast.match(method, path_parts)
-        if entry is None or any(name in _FORWARDED for name, _ in scope["headers"]):
+        segments = path_parts(scope["path"])
+        entry = None if segments is None else fast.match(method, segments)
+        if (
+            entry is None
+            or segments is None
+            or any(name in _FORWARDED for name, _ in scope["headers"])
+            or over_limit(scope, fast.limit)
+        ):
             await self.inner(scope, receive, send)
             return
         tokens = auth.source.tokens
@@ -106,7 +120,7 @@ class HotPath:
         started = time.perf_counter()
         request_id = request_id_of(scope)
         try:
-            answer = await handler(scope, path_parts, raw)
+            answer = await handler(scope, segments, raw)
         except Fallback:
             answer = None
         except Exception as exc:

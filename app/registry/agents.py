@@ -54,20 +54,21 @@ class AgentsMixin(RegistryBase):
                 registered_at=utc_iso(now),
                 lease=lease.id,
             )
+            value = _dump(record)
             result = await self.store.txn(
                 [
                     Compare(_engine_key(gid), state.engine_revision),
                     Compare(_agent_key(gid, rank), state.agent_revisions.get(rank, 0)),
                 ],
                 [
-                    Put(_agent_key(gid, rank), _dump(record), lease=lease.id),
+                    Put(_agent_key(gid, rank), value, lease=lease.id),
                     Put(_blob_key(gid, rank), blob, lease=lease.id),
                 ],
             )
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
                 continue
-            self.decoded.remember(_agent_key(gid, rank), result.revision, record)
+            self.decoded.remember(_agent_key(gid, rank), result.revision, record, len(value))
             await self.release_leases(state, {rank})
             return self._agent_view(record, now + lease.remaining_s), old is None
         raise StoreUnavailable(f"Registering rank {rank} of {gid!r} lost too many races.")

@@ -69,11 +69,12 @@ class BatchesMixin(AgentsMixin):
                 Compare(_agent_key(gid, r.rank), state.agent_revisions.get(r.rank, 0))
                 for r in records
             ]
+            values = [_dump(record) for record in records]
             ops = [
                 op
-                for record, blob in zip(records, blobs, strict=True)
+                for record, value, blob in zip(records, values, blobs, strict=True)
                 for op in (
-                    Put(_agent_key(gid, record.rank), _dump(record), lease=lease.id),
+                    Put(_agent_key(gid, record.rank), value, lease=lease.id),
                     Put(_blob_key(gid, record.rank), blob, lease=lease.id),
                 )
             ]
@@ -81,8 +82,10 @@ class BatchesMixin(AgentsMixin):
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
                 continue
-            for record in records:
-                self.decoded.remember(_agent_key(gid, record.rank), result.revision, record)
+            for record, value in zip(records, values, strict=True):
+                self.decoded.remember(
+                    _agent_key(gid, record.rank), result.revision, record, len(value)
+                )
             batch = {r.rank for r in records}
             await self.release_leases(state, batch)
             expires = utc_iso(now + lease.remaining_s)

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterable
 
 from app import compat as compat_rules
+from app.budgets import clip
 from app.errors import (
     GroupConflict,
     LaunchSuperseded,
@@ -73,22 +74,28 @@ class EnginesMixin(RegistryBase):
                 created_at=utc_iso(time.time()),
             )
             index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
+            engine_json, index_json = _dump(engine), _dump(index)
             result = await self.store.txn(
                 [
                     Compare(_engine_key(gid), state.engine_revision if state else 0),
                     Compare(launch_key, 0),
                 ],
                 [
-                    Put(_engine_key(gid), _dump(engine)),
-                    Put(launch_key, _dump(index)),
-                    Put(f"engines/{engine.engine_id}", _dump(index)),
+                    Put(_engine_key(gid), engine_json),
+                    Put(launch_key, index_json),
+                    Put(f"engines/{engine.engine_id}", index_json),
                     Delete(_agent_prefix(gid), prefix=True),
                     Delete(f"blobs/{gid}/", prefix=True),
                 ],
             )
             if result.succeeded:
-                self.decoded.remember(_engine_key(gid), result.revision, engine)
-                self.decoded.remember(f"engines/{engine.engine_id}", result.revision, index)
+                self.decoded.forget(gid, keep_engines=True)  # its agents and blobs are gone
+                if state is not None:
+                    self.events.forget_engines([state.engine.engine_id])
+                self.decoded.remember(_engine_key(gid), result.revision, engine, len(engine_json))
+                self.decoded.remember(
+                    f"engines/{engine.engine_id}", result.revision, index, len(index_json)
+                )
                 self.metrics.engines_opened.inc()
                 if state is not None:
                     await self._revoke_quietly(a.lease for a in state.agents.values())
@@ -113,7 +120,12 @@ class EnginesMixin(RegistryBase):
         if current.role != req.role:
             diffs.append(f"role {req.role!r} (open engine has {current.role!r})")
         if req.compat is not None and not compat_rules.equal(current.compat, req.compat):
-            diffs.append(f"compat {req.compat} (open engine has {current.compat})")
+            differ = [m["field"] for m in compat_rules.mismatches(current.compat, req.compat)]
+            keys = sorted(current.compat.keys() ^ req.compat.keys())
+            diffs.append(
+                f"compat differs (values of {', '.join(map(repr, differ)) or 'none'}; keys in "
+                f"one side only: {', '.join(repr(clip(k, 32)) for k in keys) or 'none'})"
+            )
         if diffs:
             raise GroupConflict(
                 f"launch {req.launch_id!r} already opened generation {current.generation} of "
@@ -138,5 +150,7 @@ class EnginesMixin(RegistryBase):
             ]
             result = await self.store.txn([Compare(_engine_key(gid), state.engine_revision)], ops)
             if result.succeeded:
+                self.decoded.forget(gid)  # nothing is kept for a group that is gone
+                self.events.forget_engines(engine_ids)
                 return
         raise StoreUnavailable(f"Deleting group {gid!r} lost too many races.")

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from app import compat as compat_rules
+from app.budgets import clip
 from app.errors import (
     FieldProblem,
     Incompatible,
@@ -45,15 +46,17 @@ class HandshakesMixin(RegistryBase):
         if engine.role == "decode":
             found.append({"field": "role", "remote": "decode", "local": "decode"})
         if req.compat:
-            found.extend(compat_rules.mismatches(engine.compat, req.compat))
-        if found:
-            fields = ", ".join(
-                f"{m['field']} (prefill {m['remote']!r}, decode {m['local']!r})" for m in found
+            # Each value shown once, cut to SHOWN_CHARS (docs/operations.md, budgets).
+            found.extend(
+                {"field": m["field"], "remote": clip(m["remote"]), "local": clip(m["local"])}
+                for m in compat_rules.mismatches(engine.compat, req.compat)
             )
+        if found:
+            fields = ", ".join(m["field"] for m in found)
             error = Incompatible(
                 f"engine {engine_id} (group {engine.group_id!r}) cannot serve this decode "
-                f"rank: {fields}. Pair engines built from the same model and KV settings, "
-                "and a prefill-capable role.",
+                f"rank: {fields} differ (mismatches has both values). Pair engines built "
+                "from the same model and KV settings, and a prefill-capable role.",
                 mismatches=found,
             )
             self.events.refusal(error, engine.group_id, engine_id=engine_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -72,40 +73,107 @@ def _dump(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
+RECORDS_BYTES = 64 * 1024 * 1024  # parsed records kept, by the size of their stored JSON
+TEXTS_BYTES = 128 * 1024 * 1024  # base64 texts of blobs kept, by their length
+
+
+class _Cache:
+    """Values by key, each with the store revision it is of and its size in bytes; at most
+    ``budget`` bytes in all (the oldest insertion goes first), and what a group's keys hold
+    can be dropped at once when the group goes (``forget``)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._items: dict[str, tuple[int, object, int]] = {}
+        self._by_group: dict[str, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: str, revision: int) -> object | None:
+        hit = self._items.get(key)
+        return hit[1] if hit is not None and hit[0] == revision else None
+
+    def put(self, key: str, revision: int, value: object, size: int, group: str) -> None:
+        self._drop(key)
+        if size > self.budget:
+            return
+        while self.bytes + size > self.budget:
+            self._drop(next(iter(self._items)))
+        self._items[key] = (revision, value, size)
+        self.bytes += size
+        self._by_group.setdefault(group, set()).add(key)
+
+    def _drop(self, key: str) -> None:
+        held = self._items.pop(key, None)
+        if held is None:
+            return
+        self.bytes -= held[2]
+        group = _group_of(key, held[1])
+        keys = self._by_group.get(group)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_group[group]
+
+    def forget(self, group: str, keep: Callable[[str], bool] | None = None) -> None:
+        for key in list(self._by_group.get(group, ())):
+            if keep is None or not keep(key):
+                self._drop(key)
+
+
+def _group_of(key: str, value: object) -> str:
+    """The group a cached key belongs to: in the key (``groups/g/…``, ``blobs/g/…``), or for
+    an engine's index (``engines/{id}``) in its record."""
+    if isinstance(value, IndexRecord):
+        return value.group_id
+    return key.split("/", 2)[1]
+
+
 class Decoded:
-    """Stored records parsed once per version: reads re-parse nothing that did not change."""
+    """Stored records parsed once per version: reads re-parse nothing that did not change.
 
-    LIMIT = 200_000
+    Bounded in bytes (``RECORDS_BYTES`` of parsed records, by the size of their stored JSON;
+    ``TEXTS_BYTES`` of blobs' base64 texts), and emptied of a group's entries when the group
+    is deleted or relaunched (``forget``): nothing is kept for a group that is gone."""
 
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[int, BaseModel]] = {}
-        self._texts: dict[str, tuple[int, str]] = {}
+    def __init__(self, records_bytes: int = RECORDS_BYTES, texts_bytes: int = TEXTS_BYTES) -> None:
+        self._cache = _Cache(records_bytes)
+        self._texts = _Cache(texts_bytes)
 
     def base64(self, entry: Entry) -> str:
         """A blob's base64 text, encoded once per version (every handshake sends it)."""
-        hit = self._texts.get(entry.key)
-        if hit is not None and hit[0] == entry.mod_revision:
-            return hit[1]
+        hit = self._texts.get(entry.key, entry.mod_revision)
+        if isinstance(hit, str):
+            return hit
         text = base64.b64encode(entry.value).decode("ascii")
-        if len(self._texts) >= self.LIMIT:
-            self._texts.clear()
-        self._texts[entry.key] = (entry.mod_revision, text)
+        self._texts.put(entry.key, entry.mod_revision, text, len(text), _group_of(entry.key, None))
         return text
 
-    def remember(self, key: str, revision: int, record: BaseModel) -> None:
-        """``record`` was just written under ``key`` at ``revision``: the next read of that
-        version takes it as is (it is what parsing its stored JSON would give)."""
-        if len(self._cache) >= self.LIMIT:
-            self._cache.clear()
-        self._cache[key] = (revision, record)
+    def remember(self, key: str, revision: int, record: BaseModel, size: int) -> None:
+        """``record`` (``size`` bytes of JSON) was just written under ``key`` at ``revision``:
+        the next read of that version takes it as is (it is what parsing its JSON would give)."""
+        self._cache.put(key, revision, record, size, _group_of(key, record))
 
     def record(self, entry: Entry, kind: type[R]) -> R:
-        hit = self._cache.get(entry.key)
-        if hit is not None and hit[0] == entry.mod_revision and type(hit[1]) is kind:
-            return hit[1]
+        hit = self._cache.get(entry.key, entry.mod_revision)
+        if type(hit) is kind:
+            return hit
         value = kind.model_validate_json(entry.value)
-        self.remember(entry.key, entry.mod_revision, value)
+        self.remember(entry.key, entry.mod_revision, value, len(entry.value))
         return value
+
+    def forget(self, gid: str, *, keep_engines: bool = False) -> None:
+        """Drop what is kept for group ``gid``: all of it when the group is deleted; its agents
+        and blobs only (``keep_engines``) when a new generation replaced them."""
+        gone = (f"groups/{gid}/agents/", f"blobs/{gid}/")
+        self._cache.forget(gid, (lambda key: not key.startswith(gone)) if keep_engines else None)
+        self._texts.forget(gid)
+
+    def sizes(self) -> tuple[int, int]:
+        """Bytes held: parsed records, base64 texts."""
+        return self._cache.bytes, self._texts.bytes
 
 
 _UNCACHED = Decoded()

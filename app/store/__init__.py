@@ -21,6 +21,7 @@ from app.store.base import (
     Snapshot,
     Store,
     StoreOptions,
+    TooLarge,
     TxnResult,
     Unavailable,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "Snapshot",
     "Store",
     "StoreOptions",
+    "TooLarge",
     "TxnResult",
     "Unavailable",
     "check_store_url",

@@ -38,6 +38,12 @@ class Unavailable(Exception):
         self.detail = detail
 
 
+class TooLarge(Unavailable):
+    """The store refuses this request for its size, and always will (etcd's
+    ``--max-request-bytes``): retrying cannot help, so it is raised at once, never retried.
+    The service's edge answers it as ``413 payload_too_large``."""
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     key: str

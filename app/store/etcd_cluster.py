@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import aetcd
 from aetcd import rpc
 
-from app.store.base import Unavailable
+from app.store.base import TooLarge, Unavailable
 from app.store.etcd_config import EtcdAccess
 from app.store.etcd_conn import EtcdAccessError, EtcdAuthError, Member, Secrets, check_members
 
@@ -34,6 +34,26 @@ _GRPC_OPTIONS: dict[str, Any] = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
 }
+
+
+def _too_large(code: rpc.StatusCode, details: str) -> bool:
+    """etcd refuses a request over its ``--max-request-bytes`` ("etcdserver: request is too
+    large"), and gRPC one over that plus 512 KiB ("received message larger than max"): the
+    same request can never pass, so it is not tried again."""
+    text = details.lower()
+    if code == rpc.StatusCode.INVALID_ARGUMENT:
+        return "too large" in text
+    return code == rpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in text
+
+
+def _too_large_error(what: str, why: str) -> TooLarge:
+    return TooLarge(
+        f"etcd refused the {what} for its size ({why}): one etcd request holds at most "
+        "etcd's --max-request-bytes (1.5 MiB unless its operator raised it), and this one "
+        "is larger. Send a smaller metadata blob, or raise --max-request-bytes on every etcd "
+        "member (docs/operations.md)."
+    )
+
 
 # Bounds the tries of one call (the deadline bounds its time).
 _MAX_TRIES = 64
@@ -126,6 +146,8 @@ class Cluster:
                 except TimeoutError:
                     failures.append(f"{where}: no answer within {budget:.1f} s")
                 except rpc.AioRpcError as exc:
+                    if _too_large(exc.code(), exc.details() or ""):
+                        raise _too_large_error(what, exc.details()) from exc
                     if exc.code() == rpc.StatusCode.INVALID_ARGUMENT:
                         raise self._refused(what, exc.details()) from exc
                     if exc.code() == rpc.StatusCode.DEADLINE_EXCEEDED:
@@ -133,6 +155,8 @@ class Cluster:
                     else:
                         failures.append(f"{where}: {exc.code().name} {exc.details()}")
                 except aetcd.InvalidArgumentError as exc:
+                    if _too_large(rpc.StatusCode.INVALID_ARGUMENT, str(exc)):
+                        raise _too_large_error(what, str(exc)) from exc
                     raise self._refused(what, str(exc)) from exc
                 except (aetcd.ClientError, OSError) as exc:
                     failures.append(f"{where}: {exc!r}")

@@ -159,6 +159,7 @@ class Pending:
 
 
 _PARENTS: dict[str, list[str]] = {}  # a key's parent "directory" -> its dirs (few: groups)
+_PARENTS_KEPT = 4096  # a memo of live groups' parents; every group ever seen would be 40 MB
 
 
 def _dirs(key: str) -> list[str]:
@@ -166,7 +167,7 @@ def _dirs(key: str) -> list[str]:
     parent = key[: key.rfind("/") + 1]
     dirs = _PARENTS.get(parent)
     if dirs is None:
-        if len(_PARENTS) >= 100_000:
+        if len(_PARENTS) >= _PARENTS_KEPT:
             _PARENTS.clear()
         dirs = _PARENTS[parent] = _split(parent)
     return dirs

@@ -56,6 +56,14 @@ class Output:
         raise AssertionError(f"no frame with {needle!r} in {timeout_s} s: {self.frames()[-2:]}")
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
     tmp_path: Path,
 ) -> None:
@@ -65,7 +73,12 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
         eid = c.put("/tp-groups/alpha/engine", json=body).json()["engine_id"]
         cmd = [sys.executable, "-m", "app", "status", "--watch", "--interval", "0.3",
                "--url", registry.url]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # SIGINT as a terminal's Ctrl-C delivers it, whatever this test process inherited
+        # (a background job of a non-interactive shell, or nohup, starts with it ignored).
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            preexec_fn=_sigint_default,
+        )  # fmt: skip
         out = Output(proc)
         try:
             first = out.wait_frame("alpha")
@@ -91,3 +104,24 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
                 proc.wait(timeout=5)
             out.close()
             c.close()
+
+
+def test_watch_takes_ctrl_c_even_when_started_with_sigint_ignored(tmp_path: Path) -> None:
+    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}") as registry:
+        cmd = [sys.executable, "-m", "app", "status", "--watch", "--interval", "0.3",
+               "--url", registry.url]  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            preexec_fn=_sigint_ignored,
+        )  # fmt: skip
+        out = Output(proc)
+        try:
+            out.wait_frame("0 groups")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=10) == 0
+            assert out.text.endswith("\x1b[?25h\n")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=5)
+            out.close()

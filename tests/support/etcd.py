@@ -55,10 +55,12 @@ class EtcdMember:
         cluster_token: str,
         tls: Pki | None = None,
         auth_token_ttl_s: int | None = None,
+        max_request_bytes: int | None = 8 * 1024 * 1024,
     ) -> None:
         self.name = name
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
+        self.max_request_bytes = max_request_bytes
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data_dir = root / name
@@ -88,9 +90,10 @@ class EtcdMember:
             "--initial-cluster", self.initial_cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", self.cluster_token,
             "--heartbeat-interval", "100", "--election-timeout", "1000",
-            "--max-request-bytes", str(8 * 1024 * 1024),
             "--logger", "zap", "--log-level", "warn", "--enable-pprof=false",
         ]  # fmt: skip
+        if self.max_request_bytes is not None:  # None: etcd's own default, 1.5 MiB
+            cmd += ["--max-request-bytes", str(self.max_request_bytes)]
         if self.tls is not None:
             cmd += [
                 "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
@@ -125,7 +128,8 @@ class EtcdMember:
 class EtcdCluster:
     """``size`` members on loopback under ``root``; use as a context manager. ``tls``: serve
     clients TLS only, with client certificates required; ``auth_token_ttl_s``: etcd's
-    ``--auth-token-ttl`` (how long an unused auth token lives)."""
+    ``--auth-token-ttl`` (how long an unused auth token lives); ``max_request_bytes``:
+    etcd's ``--max-request-bytes`` (8 MiB here unless given; None: etcd's default)."""
 
     def __init__(
         self,
@@ -134,12 +138,14 @@ class EtcdCluster:
         *,
         tls: Pki | None = None,
         auth_token_ttl_s: int | None = None,
+        max_request_bytes: int | None = 8 * 1024 * 1024,
     ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.size = size
         self.tls = tls
         self.auth_token_ttl_s = auth_token_ttl_s
+        self.max_request_bytes = max_request_bytes
         self.members: list[EtcdMember] = []
         self._layout()
 
@@ -148,7 +154,14 @@ class EtcdCluster:
         token = f"test-{os.getpid()}-{time.monotonic_ns()}"
         attempt = time.monotonic_ns() % 1_000_000
         self.members = [
-            EtcdMember(f"m{i}-{attempt}", self.root, token, self.tls, self.auth_token_ttl_s)
+            EtcdMember(
+                f"m{i}-{attempt}",
+                self.root,
+                token,
+                self.tls,
+                self.auth_token_ttl_s,
+                self.max_request_bytes,
+            )
             for i in range(self.size)
         ]
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)

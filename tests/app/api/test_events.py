@@ -163,11 +163,14 @@ def test_events_need_a_reader_and_basic_credentials_only_read(server: RegistryPr
 def test_events_are_kept_in_the_store_and_bounded(
     server: RegistryProcess, api: httpx.Client
 ) -> None:
-    gid = new_gid("bd")
-    Api(api).open(gid)
+    # Spread over groups: past 16 distinct refusals for one group within a second they fold.
+    gids = [new_gid("bd") for _ in range(3 * KEEP // 10)]
+    for gid in gids:
+        Api(api).open(gid)
     for i in range(3 * KEEP):
         body = agent_body(f"stray-{i:03d}", 0)
-        assert api.put(f"/tp-groups/{gid}/engine/agents/0", json=body).status_code == 409
+        where = f"/tp-groups/{gids[i % len(gids)]}/engine/agents/0"
+        assert api.put(where, json=body).status_code == 409
     server.stop()  # a clean stop writes what was buffered
     server.start()
     kept = events(api, limit=1000)["events"]
@@ -183,7 +186,7 @@ async def _flush_and_trim(store: Store) -> list[str]:
     log = EventLog(store, Metrics(), keep=100)
     try:
         for i in range(300):
-            log.record("engine_id_mismatch", "g", f"refusal {i}", i, {"n": i})
+            log.record("engine_id_mismatch", f"g{i}", f"refusal {i}", i, {"n": i})
         await log.flush()
         answer = await log.read(limit=1000)
         stored = await store.range("events/")
