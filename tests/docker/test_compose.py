@@ -111,9 +111,11 @@ def worker_argv(service: Service) -> tuple[list[str], str, list[str]]:
     argv = service.command
     if argv[:2] == ["sh", "-c"]:
         argv = shlex.split(argv[2].removeprefix("exec "))
-    assert argv[0] == "torchrun", argv
+    # torchrun through workers.torchrun (a stop exits 0), in the image's python
+    assert argv[:3] == ["python", "-m", "workers.torchrun"], argv
+    argv = argv[3:]
     module_at = argv.index("-m")
-    return argv[1:module_at], argv[module_at + 1], argv[module_at + 2 :]
+    return argv[:module_at], argv[module_at + 1], argv[module_at + 2 :]
 
 
 # -- the compose parser ---------------------------------------------------------------------
