@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,14 +23,6 @@ pytestmark = [
     pytest.mark.skipif(SKIP_REASON is not None, reason=f"namespaces beside Docker: {SKIP_REASON}"),
     pytest.mark.timeout(180),
 ]
-
-
-@pytest.fixture(scope="module")
-def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dockerd.DockerEngine]:
-    log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
-    with dockerd.DockerEngine(log) as engine:
-        yield engine
-    assert engine.problems == []
 
 
 def test_namespace_hosts_reach_each_other_with_dockers_forward_drop_in_place(
