@@ -175,7 +175,7 @@ class Images:
                 f"docker {' '.join(argv[:6])}… failed ({run.returncode}) after "
                 f"{time.monotonic() - started:.1f}s:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
             )
-        return run.stdout
+        return run.stdout + run.stderr  # BuildKit's progress goes to stderr
 
     def exists(self, image: str) -> bool:
         run = subprocess.run(
