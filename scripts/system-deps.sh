@@ -6,6 +6,12 @@ need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+# The containers tier: a real Docker engine (started by the tier when none runs), base images
+# made from Debian packages when no container registry answers, and nft to undo Docker's
+# netfilter tables when the tier stops the engine it started.
+[ -x /usr/sbin/dockerd ] || command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v mmdebstrap >/dev/null 2>&1 || need+=(mmdebstrap)
+command -v nft >/dev/null 2>&1 || need+=(nftables)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v wrk >/dev/null 2>&1 || need+=(wrk)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)

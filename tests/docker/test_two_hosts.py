@@ -384,14 +384,16 @@ def run_deployment(
             "prefill ranks to receive every decode notification",
             20,
         )
-        # `docker compose stop`: SIGTERM to each prefill container's PID 1 (torchrun), which
-        # stops its ranks (they deregister) and then exits 1 itself ("got signal: 15").
+        # `docker compose stop`: SIGTERM to each prefill container's PID 1 (torchrun, through
+        # workers.torchrun), which stops its ranks (they deregister) and exits 0, saying so.
         for proc in (node0, node1):
             proc.signal(signal.SIGTERM)
         deadline = time.monotonic() + 40
         for proc in (node0, node1):
-            deploy.wait(proc, deadline)
+            assert deploy.wait(proc, deadline) == 0, proc.tail()
             assert "INFO shut down" in proc.log(), proc.tail()
+            assert "torchrun stopped by SIGTERM" in proc.log(), proc.tail()
+            assert "Traceback" not in proc.log(), proc.tail()
         after = http(
             probe,
             {"method": "GET", "url": f"{url}/tp-groups/{prefill_group}/engine",
@@ -596,7 +598,7 @@ def run_ha(
         proc.signal(signal.SIGTERM)
     deadline = time.monotonic() + 40
     for proc in (node0, node1):
-        deploy.wait(proc, deadline)
+        assert deploy.wait(proc, deadline) == 0, proc.tail()
         assert "INFO shut down" in proc.log(), proc.tail()
     after = http(
         probe,

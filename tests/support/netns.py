@@ -3,13 +3,19 @@
 A `Network` is a bridge the test makes and, per host, a network namespace joined to it by a
 veth pair whose inside end is `eth0` with its own address, and an /etc/hosts of its own
 (`ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts), as Docker gives a container.
+The bridge and the veths' outer ends live in a namespace of their own (`er-TAG-switch`), not
+in the host's: bridged frames pass the netfilter of the bridge's namespace
+(`bridge-nf-call-iptables`), and on the host a running Docker daemon sets the `FORWARD`
+policy to `DROP`. The switch namespace has no rules, so the hosts reach each other whatever
+the machine's firewall says, and nothing of the host's firewall is touched.
 `Host.spawn` runs a command there the way a container runs: in new PID, UTS (its own hostname)
 and IPC namespaces, the command as PID 1 that gets the stop signal; when the `unshare` above
 it dies, the kernel kills everything inside.
 
 Everything the network makes carries its tag, the test process's pid (interfaces `erTAGbr`,
-`erTAGvN`, namespaces `er-TAG-NAME`), and `close()` removes all of it, killing whatever still
-runs in its namespaces (only those processes: they are this test's). Spawned commands die
+`erTAGvN` in the switch namespace, namespaces `er-TAG-NAME`), and `close()` removes all of
+it, killing whatever still runs in its namespaces (only those processes: they are this
+test's). Spawned commands die
 with the test process even when it is SIGKILLed; `sweep_stale()`, run by every new
 `Network`, removes the namespaces and interfaces such a run left behind.
 """
@@ -234,17 +240,18 @@ class Network:
         self.bridge = f"er{self.tag}br"
         if len(self.bridge) > 15:
             raise ValueError(f"tag {self.tag!r} makes interface names too long")
+        self.switch = f"{PREFIX}{self.tag}-switch"  # the bridge's own namespace
         self.hosts: dict[str, Host] = {}
         self._next = 2
-        self._veths: list[str] = []
-        self._made_bridge = False
+        self._made_switch = False
 
     def __enter__(self) -> Network:
         sweep_stale()
         try:
-            _ip("link", "add", "name", self.bridge, "type", "bridge")
-            self._made_bridge = True
-            _ip("link", "set", self.bridge, "up")
+            _ip("netns", "add", self.switch)
+            self._made_switch = True
+            _ip("-n", self.switch, "link", "add", "name", self.bridge, "type", "bridge")
+            _ip("-n", self.switch, "link", "set", self.bridge, "up")
         except BaseException:
             self.close()
             raise
@@ -263,9 +270,21 @@ class Network:
         host = Host(self, name, ns, address, hostname or name)
         self.hosts[name] = host
         _ip("netns", "add", ns)
-        self._veths.append(veth)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("link", "set", veth, "master", self.bridge, "up")
+        _ip(
+            "-n",
+            self.switch,
+            "link",
+            "add",
+            veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            ns,
+        )
+        _ip("-n", self.switch, "link", "set", veth, "master", self.bridge, "up")
         _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
@@ -291,20 +310,17 @@ class Network:
                 proc.kill()
         for host in self.hosts.values():
             _remove_namespace(host.ns)
-        for veth in self._veths:  # gone with their namespace, unless that failed midway
-            _ip("link", "delete", veth, check=False)
-        if self._made_bridge:
-            _ip("link", "delete", self.bridge, check=False)
-            self._made_bridge = False
+        if self._made_switch:  # the bridge and the veths go with it
+            _remove_namespace(self.switch)
+            self._made_switch = False
         self.hosts.clear()
-        self._veths.clear()
 
     def leftovers(self) -> list[str]:
         """What of this network still exists (empty after `close()`)."""
         found = []
         listed = _ip("netns", "list", check=False).stdout
         found += [line.split(" ")[0] for line in listed.splitlines() if f"-{self.tag}-" in line]
-        links = _ip("-o", "link", "show", check=False).stdout
+        links = _ip("-o", "link", "show", check=False).stdout  # none in the host's namespace
         found += [
             line.split(":")[1].strip().split("@")[0]
             for line in links.splitlines()
