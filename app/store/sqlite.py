@@ -26,13 +26,26 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
+from app.store.base import (
+    ChangeBatch,
+    Compare,
+    Entry,
+    KeyChange,
+    Lease,
+    Op,
+    Put,
+    Snapshot,
+    Store,
+    TxnResult,
+    Unavailable,
+)
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
+from app.store.sqlite_history import History
 from app.store.sqlite_pending import Pending
 from app.store.sqlite_thread import FileThread
 from app.store.waiters import Waiters
@@ -58,6 +71,7 @@ class SqliteStore(Store):
         synchronous: str = "NORMAL",
         sweep_interval_s: float = 1.0,
         max_pending: int = 20_000,
+        history: int = 10_000,
     ) -> None:
         self.path = str(path)
         self.description = f"sqlite:///{self.path}"
@@ -83,6 +97,7 @@ class SqliteStore(Store):
         self._failure: FileFailure | None = None
         self._recovering: asyncio.Lock | None = None
         self._waiters = Waiters()
+        self._history = History(history)
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -107,6 +122,8 @@ class SqliteStore(Store):
                 self._leases[entry.lease].keys.add(entry.key)
         self._expiry = [(lease.expires_at, i) for i, lease in self._leases.items()]
         heapq.heapify(self._expiry)
+        if not self._loaded:  # a reload after a failed commit keeps what is durable
+            self._history.reset(loaded.revision)
         self._revision, self._next_lease = loaded.revision, loaded.next_lease
         self._pending.clear()
         self._loaded = True
@@ -202,6 +219,10 @@ class SqliteStore(Store):
             change.lease_puts.extend(self._checkpoint())
         fut = self._thread.commit(change)
         self._pending.track(fut, keys, self._fail)
+        if change.puts or change.deletes:
+            changed = [KeyChange(e.key, e) for e in change.puts]
+            changed += [KeyChange(k, None) for k in change.deletes]
+            self._history.record(change.revision, tuple(changed), fut)
         return fut
 
     # -- reads -------------------------------------------------------------------------------
@@ -357,6 +378,16 @@ class SqliteStore(Store):
             return True
         return await self._waiters.wait(prefix, timeout_s)
 
+    async def changes(
+        self, prefix: str, start_revision: int, progress_s: float
+    ) -> AsyncIterator[ChangeBatch]:
+        """From the bounded history of durable changes (``sqlite_history``)."""
+        await self._usable()
+        async for batch in self._history.follow(
+            prefix, start_revision, progress_s, lambda: self._closed
+        ):
+            yield batch
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def ping(self) -> None:
@@ -377,6 +408,7 @@ class SqliteStore(Store):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self._wake_all()
+        self._history.wake()
         await self._thread.stop(self._timeout_s)
 
     def stats(self) -> dict[str, Any]:
