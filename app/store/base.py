@@ -17,6 +17,7 @@ within the operator's bound, and never anything backend-specific.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -165,15 +166,28 @@ class Store(ABC):
         """Return True once a key under ``prefix`` changed after ``after_revision``,
         False when ``timeout_s`` passed first. May return True spuriously."""
 
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        """Seconds each lease has left (0 or less: expired), as ``range`` reports them."""
+        return {}
+
+    async def revision(self) -> int:
+        """The store's current revision (a linearizable read of nothing)."""
+        return (await self.range("\x7frevision/")).revision
+
     @abstractmethod
     def changes(
-        self, prefix: str, start_revision: int, progress_s: float
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
     ) -> AsyncIterator[ChangeBatch]:
         """Every change under ``prefix`` at ``start_revision`` and after, one batch per
         revision in revision order, with an empty batch (progress) at least every
-        ``progress_s`` when nothing changes. Raises :class:`Compacted` when the history from
-        ``start_revision`` is gone (at the start or later), :class:`Unavailable` when the
-        stream breaks: the caller opens it again after the last revision it got."""
+        ``progress_s`` when nothing changes, and soon after ``nudge`` is set. Raises
+        :class:`Compacted` when the history from ``start_revision`` is gone (at the start or
+        later), :class:`Unavailable` when the stream breaks: the caller opens it again after
+        the last revision it got."""
 
     async def start(self) -> None:  # noqa: B027 - optional hook, most backends are lazy
         """Connect and start the backend's own background work; lazy backends need not."""

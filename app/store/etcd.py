@@ -338,10 +338,20 @@ class EtcdStore(Store):
         hub.end()
 
     def changes(
-        self, prefix: str, start_revision: int, progress_s: float
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
     ) -> AsyncIterator[ChangeBatch]:
         """etcd's own watch and revisions (``etcd_watch``)."""
-        return etcd_watch.follow(self._call, self._root, prefix, start_revision, progress_s)
+        return etcd_watch.follow(self._call, self._root, prefix, start_revision, progress_s, nudge)
+
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        return await self._remaining(leases) if leases else {}
+
+    async def revision(self) -> int:
+        return await self._call("read", self._head)
 
     def _watch_health(self) -> asyncio.Future[Unavailable]:
         """The future a failed probe resolves, with a prober running to resolve it."""

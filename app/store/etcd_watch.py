@@ -31,6 +31,7 @@ async def follow(
     prefix: str,
     start_revision: int,
     progress_s: float,
+    nudge: asyncio.Event | None = None,
 ) -> AsyncIterator[ChangeBatch]:
     key = root + prefix.encode()
     create = rpc.WatchRequest(
@@ -72,7 +73,14 @@ async def follow(
         except Exception as exc:  # the stream broke: the reader raises it
             await responses.put(exc)
 
+    async def nudged() -> None:
+        while nudge is not None:
+            await nudge.wait()
+            nudge.clear()
+            await responses.put(None)
+
     reader = asyncio.create_task(pump())
+    asker = asyncio.create_task(nudged())
     asked = False
     try:
         while True:
@@ -83,8 +91,13 @@ async def follow(
                     raise Unavailable(
                         f"etcd's watch answered no progress request within {progress_s:g} s"
                     ) from None
-                await stream.write(rpc.WatchRequest(progress_request=rpc.WatchProgressRequest()))
-                asked = True
+                response = None
+            if response is None:  # quiet for progress_s, or nudged: ask for progress
+                if not asked:
+                    await stream.write(
+                        rpc.WatchRequest(progress_request=rpc.WatchProgressRequest())
+                    )
+                    asked = True
                 continue
             if isinstance(response, Exception):
                 raise Unavailable(f"etcd's watch stream broke: {response!r}") from response
@@ -101,9 +114,10 @@ async def follow(
             for batch in _batches(response.events, len(root)):
                 yield batch
     finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await reader
+        for task in (reader, asker):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         stream.cancel()
 
 

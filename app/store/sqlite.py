@@ -219,7 +219,7 @@ class SqliteStore(Store):
             change.lease_puts.extend(self._checkpoint())
         fut = self._thread.commit(change)
         self._pending.track(fut, keys, self._fail)
-        if change.puts or change.deletes:
+        if change.revision > self._history.recorded:  # a new revision (else renewals only)
             changed = [KeyChange(e.key, e) for e in change.puts]
             changed += [KeyChange(k, None) for k in change.deletes]
             self._history.record(change.revision, tuple(changed), fut)
@@ -378,10 +378,21 @@ class SqliteStore(Store):
             return True
         return await self._waiters.wait(prefix, timeout_s)
 
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        now = time.time()
+        return {
+            i: (lease.expires_at - now if (lease := self._leases.get(i)) else 0.0) for i in leases
+        }
+
     async def changes(
-        self, prefix: str, start_revision: int, progress_s: float
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
     ) -> AsyncIterator[ChangeBatch]:
-        """From the bounded history of durable changes (``sqlite_history``)."""
+        """From the bounded history of durable changes (``sqlite_history``); progress comes
+        at once past changes elsewhere, so ``nudge`` is not needed."""
         await self._usable()
         async for batch in self._history.follow(
             prefix, start_revision, progress_s, lambda: self._closed

@@ -28,19 +28,21 @@ class History:
         self._pending: deque[tuple[int, tuple[KeyChange, ...], asyncio.Future[None]]] = deque()
         self.oldest = 0  # a watch may start after this revision
         self.durable = 0  # every change up to here is durable and in the history
+        self.recorded = 0  # the last revision recorded (durable or not)
         self._news: asyncio.Future[None] | None = None
 
     def reset(self, revision: int) -> None:
         """The store loaded its file at ``revision``: history starts after it."""
         self._revisions, self._batches = [], []
         self._pending.clear()
-        self.oldest = self.durable = revision
+        self.oldest = self.durable = self.recorded = revision
         self._wake()
 
     def record(
         self, revision: int, changes: tuple[KeyChange, ...], fut: asyncio.Future[None]
     ) -> None:
         """A change at ``revision`` whose commit is ``fut``."""
+        self.recorded = max(self.recorded, revision)
         self._pending.append((revision, changes, fut))
         fut.add_done_callback(self._settled)
 
@@ -50,9 +52,10 @@ class History:
             revision, changes, fut = self._pending.popleft()
             if fut.cancelled() or fut.exception() is not None:
                 continue  # never durable: the store reloads and issues the revision again
-            self._revisions.append(revision)
-            self._batches.append(changes)
             self.durable = max(self.durable, revision)
+            if changes:
+                self._revisions.append(revision)
+                self._batches.append(changes)
             moved = True
         if len(self._revisions) > self.keep:
             cut = len(self._revisions) - self.keep
@@ -102,8 +105,8 @@ class History:
                     quiet_since = loop.time()
                     yield ChangeBatch(batch.revision, under)
             if self.durable > after or loop.time() - quiet_since >= progress_s:
+                # Progress: at once past changes elsewhere, else once per progress_s.
                 after = max(after, self.durable)
-                if loop.time() - quiet_since >= progress_s:
-                    quiet_since = loop.time()
-                    yield ChangeBatch(after, ())
+                quiet_since = loop.time()
+                yield ChangeBatch(after, ())
             await self.wait(max(0.0, quiet_since + progress_s - loop.time()))

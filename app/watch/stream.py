@@ -1,0 +1,270 @@
+"""Watch streams: ``GET /tp-groups?watch=true``, one JSON object per line.
+
+A watcher is a position in the feed's log (no queue of its own): it writes the events it has
+not sent yet, whole revisions at a time, in chunks, and waits for the feed's next progress.
+What it has not sent is bounded twice: by the log (a watcher the log drops is told
+``revision_compacted``) and by its send budget, the bytes of events that arrived since it
+subscribed and that it has not written (past it: ``slow_consumer``). A consumer that stops
+reading stalls its writes in the transport (uvicorn waits for the socket to drain); the hub
+notices its lag, gives it a second to read what is on its way, then cuts the connection.
+Streams end with a final ``ERROR`` line: ``slow_consumer``, ``revision_compacted`` or
+``shutting_down`` (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from app.errors import RevisionCompacted, TooManyWatchers
+from app.metrics import Metrics
+from app.watch.feed import Feed
+
+MEDIA_TYPE = "application/x-ndjson"
+CHUNK_BYTES = 256 * 1024
+GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
+ABORT = "engine_registry.abort"  # scope["extensions"]: the connection's transport.abort
+
+
+def error_line(revision: int, code: str, status: int, detail: str, **extras: Any) -> bytes:
+    problem = {
+        "type": f"urn:engine-registry:problem:{code}",
+        "title": code.replace("_", " ").capitalize(),
+        "status": status,
+        "detail": detail,
+        "code": code,
+        **extras,
+    }
+    line = {"type": "ERROR", "revision": revision, "object": problem}
+    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
+
+
+class Watchers:
+    """The watch streams of one replica: the limit on how many, their budgets, bookmarks."""
+
+    def __init__(
+        self,
+        feed: Feed,
+        metrics: Metrics,
+        *,
+        max_watchers: int,
+        budget_bytes: int,
+        bookmark_s: float,
+    ) -> None:
+        self.feed = feed
+        self.metrics = metrics
+        self.max_watchers = max_watchers
+        self.budget_bytes = budget_bytes
+        self.bookmark_s = bookmark_s
+        self.open: set[WatchStream] = set()
+        self.draining = False
+        self._monitor: asyncio.Task[None] | None = None
+
+    def watch(self, after: int | None, role: str | None) -> WatchStream:
+        """A stream of the changes after revision ``after`` (None: from now)."""
+        if self.draining:
+            raise TooManyWatchers("This replica is shutting down: watch another one.")
+        if len(self.open) >= self.max_watchers:
+            raise TooManyWatchers(
+                f"This replica serves {self.max_watchers} watches (REGISTRY_WATCH_MAX): watch "
+                "another replica, or retry later."
+            )
+        log = self.feed.log
+        if after is None:
+            after = self.feed.progress
+        elif after < log.oldest:
+            raise RevisionCompacted(
+                f"revision {after} is older than the history this replica keeps (from "
+                f"revision {log.oldest}): list the groups again (GET /tp-groups answers the "
+                "revision to watch from) and watch from the list's revision.",
+                oldest_revision=log.oldest,
+            )
+        return WatchStream(self, after, role)
+
+    def drain(self) -> None:
+        """SIGTERM: every stream ends now with ``shutting_down``."""
+        self.draining = True
+        for stream in list(self.open):
+            stream.finish(
+                error_line(
+                    stream.revision,
+                    "shutting_down",
+                    503,
+                    "This replica is shutting down: watch another one from this revision.",
+                )
+            )
+
+    def _added(self, stream: WatchStream) -> None:
+        self.open.add(stream)
+        self.metrics.watchers.set(len(self.open))
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.create_task(self._watch_budgets())
+
+    def _removed(self, stream: WatchStream) -> None:
+        self.open.discard(stream)
+        self.metrics.watchers.set(len(self.open))
+
+    async def _watch_budgets(self) -> None:
+        """While any stream is open: each one's unsent bytes against its budget."""
+        log = self.feed.log
+        while self.open:
+            await asyncio.sleep(0.1)
+            for stream in list(self.open):
+                if stream.ended:
+                    continue
+                if stream.epoch != self.feed.epoch or stream.position < log.offset:
+                    stream.finish(stream.compacted_line(), slow=stream.epoch == self.feed.epoch)
+                    continue
+                unsent = log.total - max(log.bytes_before(stream.position), stream.base)
+                if unsent > self.budget_bytes:
+                    stream.finish(
+                        error_line(
+                            stream.revision,
+                            "slow_consumer",
+                            503,
+                            f"This stream fell {unsent} bytes behind (its send budget is "
+                            f"{self.budget_bytes}, REGISTRY_WATCH_SEND_BUDGET_BYTES): read "
+                            "faster, then watch again from this revision.",
+                        ),
+                        slow=True,
+                    )
+
+
+class WatchStream(Response):
+    media_type = MEDIA_TYPE
+
+    def __init__(self, hub: Watchers, after: int, role: str | None) -> None:
+        super().__init__(
+            None,
+            headers={"cache-control": "no-store", "x-content-type-options": "nosniff"},
+            media_type=MEDIA_TYPE,
+        )
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.hub = hub
+        self.role = role
+        feed = hub.feed
+        self.epoch = feed.epoch
+        self.revision = after  # every change up to here was sent (or skipped)
+        self.position = feed.log.after(min(after, feed.progress))
+        self._skip_until = after
+        self.base = feed.log.total  # what came before it subscribed is not on its budget
+        self.final: bytes | None = None
+        self._cut: asyncio.Future[None] | None = None
+        self.ended = False
+        self._woken: asyncio.Future[None] | None = None
+
+    def compacted_line(self) -> bytes:
+        log = self.hub.feed.log
+        return error_line(
+            self.revision,
+            "revision_compacted",
+            410,
+            f"This stream fell out of the history this replica keeps (from revision "
+            f"{log.oldest}): list the groups again and watch from the list's revision.",
+            oldest_revision=log.oldest,
+        )
+
+    def finish(self, line: bytes, *, slow: bool = False) -> None:
+        """End the stream with ``line``."""
+        if self.ended:
+            return
+        self.ended = True
+        self.final = line
+        if slow:
+            self.hub.metrics.watch_slow_consumers.inc()
+        if self._cut is not None and not self._cut.done():
+            self._cut.set_result(None)
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    def _collect(self) -> tuple[bytes, int]:
+        """The unsent events (whole revisions, up to about ``CHUNK_BYTES``)."""
+        feed, log = self.hub.feed, self.hub.feed.log
+        parts: list[bytes] = []
+        size = sent = 0
+        while (event := log.at(self.position)) is not None:
+            if size >= CHUNK_BYTES and event.revision != self.revision:
+                return b"".join(parts), sent
+            self.position += 1
+            if event.revision <= self._skip_until:
+                continue  # asked from a revision this replica had not reached yet
+            self.revision = max(self.revision, event.revision)
+            if self.role is None or event.role == self.role:
+                parts.append(event.line)
+                size += len(event.line)
+                sent += 1
+        self.revision = max(self.revision, feed.progress)
+        return b"".join(parts), sent
+
+    async def _pump(self, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        feed, metrics = self.hub.feed, self.hub.metrics
+        last = loop.time()
+        while True:
+            if self.final is not None:
+                await send({"type": "http.response.body", "body": self.final, "more_body": False})
+                return
+            if self.epoch != feed.epoch or self.position < feed.log.offset:
+                self.finish(self.compacted_line())
+                continue
+            chunk, count = self._collect()
+            now = loop.time()
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                metrics.watch_events_sent.inc(count)
+                last = now
+                continue
+            if now - last >= self.hub.bookmark_s:
+                line = b'{"type":"BOOKMARK","revision":%d,"object":null}\n' % self.revision
+                await send({"type": "http.response.body", "body": line, "more_body": True})
+                last = now
+                continue
+            self._woken = loop.create_future()
+            await asyncio.wait(
+                {feed.news(), self._woken},
+                timeout=self.hub.bookmark_s - (now - last),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.hub._added(self)
+        pump: asyncio.Task[None] | None = None
+        gone: asyncio.Task[None] | None = None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            pump = asyncio.create_task(self._pump(send))
+            gone = asyncio.create_task(_disconnected(receive))
+            self._cut = asyncio.get_running_loop().create_future()
+            if self.ended:
+                self._cut.set_result(None)
+            await asyncio.wait({pump, gone, self._cut}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done():
+                pump.result()
+                return
+            # Ended (cut off, shutting down) or the consumer left: a second to take what is
+            # on its way, then the connection is cut.
+            if not gone.done():
+                await asyncio.wait({pump, gone}, timeout=GRACE_S)
+            if not pump.done():
+                abort: Callable[[], None] | None = scope.get("extensions", {}).get(ABORT)
+                if abort is not None:
+                    abort()
+        finally:
+            self.ended = True
+            self.hub._removed(self)
+            for task in (pump, gone):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
