@@ -184,7 +184,13 @@ class Feed:
         deadline = loop.time() + timeout_s
         if self.loaded is None:
             raise Unavailable("The watch feed is not started.")
-        await asyncio.wait_for(asyncio.shield(self.loaded), timeout_s)
+        try:
+            await asyncio.wait_for(asyncio.shield(self.loaded), timeout_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"The registry could not read the groups within {timeout_s:g} s: "
+                f"{self.failure or 'the store did not answer'}."
+            ) from None
         head = await self.store.revision()
         while self.progress < head:
             left = deadline - loop.time()
