@@ -47,7 +47,7 @@ from app.api.hot import HotPath
 from app.problems import PROBLEM_MEDIA_TYPE
 from app.settings import Settings, is_loopback_host
 from app.tls import server_context, tls_loop_factory
-from app.watch.stream import ABORT
+from app.watch.stream import TRANSPORT
 
 log = logging.getLogger("app")
 
@@ -208,7 +208,7 @@ def guarded_protocol(
                 return
             super().on_headers_complete()
             # A watch stream cuts off a consumer that stopped reading (app/watch/stream.py).
-            self.scope.setdefault("extensions", {})[ABORT] = self.transport.abort  # type: ignore[assignment]
+            self.scope.setdefault("extensions", {})[TRANSPORT] = self.transport  # type: ignore[assignment]
             # Until the message completes, its body is on the clock (a request without a
             # body completes in this same feed).
             self._in_body = True

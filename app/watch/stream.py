@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Callable
+import socket
 from typing import Any
 
 from starlette.responses import Response
@@ -29,7 +29,11 @@ from app.watch.feed import Feed
 MEDIA_TYPE = "application/x-ndjson"
 CHUNK_BYTES = 256 * 1024
 GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
-ABORT = "engine_registry.abort"  # scope["extensions"]: the connection's transport.abort
+# scope["extensions"]: the connection's asyncio transport (app/server.py puts it there)
+TRANSPORT = "engine_registry.transport"
+# A watch connection's kernel send buffer: what a consumer that stops reading can hold there
+# (Linux doubles it), instead of the few MB the kernel would let it grow to.
+SNDBUF = 64 * 1024
 
 
 def error_line(revision: int, code: str, status: int, detail: str, **extras: Any) -> bytes:
@@ -234,6 +238,10 @@ class WatchStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.hub._added(self)
+        transport: asyncio.Transport | None = scope.get("extensions", {}).get(TRANSPORT)
+        if transport is not None and (sock := transport.get_extra_info("socket")) is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
         pump: asyncio.Task[None] | None = None
         gone: asyncio.Task[None] | None = None
         try:
@@ -251,10 +259,8 @@ class WatchStream(Response):
             # on its way, then the connection is cut.
             if not gone.done():
                 await asyncio.wait({pump, gone}, timeout=GRACE_S)
-            if not pump.done():
-                abort: Callable[[], None] | None = scope.get("extensions", {}).get(ABORT)
-                if abort is not None:
-                    abort()
+            if not pump.done() and transport is not None:
+                transport.abort()
         finally:
             self.ended = True
             self.hub._removed(self)
