@@ -223,8 +223,9 @@ def metric(url: str, name: str) -> float:
     return 0.0
 
 
-@pytest.fixture
-def bounded(tmp_path: Path) -> Iterator[RegistryProcess]:
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+    tmp_path = tmp_path_factory.mktemp("bounded")
     args = [*FAST, "--watch-send-budget-bytes", "65536", "--watch-max", "3"]
     args += ["--watch-history", "100"]
     url = f"sqlite:///{tmp_path / 'registry.db'}"
