@@ -215,6 +215,7 @@ def storm_with_watchers(ranks: int, watchers: int, rounds: int) -> dict[str, Any
     import subprocess
 
     out: dict[str, list[float]] = {"none": [], "watched": []}
+    cpu: dict[str, list[float]] = {"none": [], "watched": []}
     lines: list[int] = []
     with tempfile.TemporaryDirectory(prefix="bench-watch-storm-") as tmp:
         for r in range(rounds):
@@ -231,6 +232,7 @@ def storm_with_watchers(ranks: int, watchers: int, rounds: int) -> dict[str, Any
                         assert peer.stdout.readline().strip() == b"BENCH-READY"
                     row = lean_http(url, ranks)
                     out[case].append(row["ranks_per_s"])
+                    cpu[case].append(row.get("server_cpu_s", 0.0))
                     if peer is not None:
                         got, _ = peer.communicate(b"", timeout=60)
                         lines.append(json.loads(got.splitlines()[-1])["lines"])
@@ -243,6 +245,8 @@ def storm_with_watchers(ranks: int, watchers: int, rounds: int) -> dict[str, Any
         "none_ranks_per_s": round(none, 1),
         "watched_ranks_per_s": round(watched, 1),
         "ratio": round(watched / none, 3),
+        "none_server_cpu_s": round(statistics.median(cpu["none"]), 3),
+        "watched_server_cpu_s": round(statistics.median(cpu["watched"]), 3),
         "all_rounds": out,
         "lines_per_watched_storm": lines,
     }

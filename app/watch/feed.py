@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 
-from app.registry.records import Decoded
+from app.registry.records import Decoded, _engine_key
 from app.registry.state import GroupState
 from app.schemas import Engine
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
@@ -153,7 +153,7 @@ class Feed:
         after = self.groups.get(gid)
         new = view(gid, after, revision, self.decoded, now=now) if after else None
         if new is not None:
-            existed = before is not None and view(gid, before, revision, self.decoded, now=now)
+            existed = before is not None and _engine_key(gid) in before
             kind, shown = ("MODIFIED" if existed else "ADDED"), new
         else:
             old = view(gid, before, revision, self.decoded, now=now) if before else None

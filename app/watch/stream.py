@@ -33,7 +33,8 @@ GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
 # goes out at once, a storm's go out as one write per stream per LINGER_S instead of one per
 # change (a write and a wake-up per watcher per change cost the storm a quarter of its rate
 # with 100 watchers).
-LINGER_S = 0.02
+LINGER_S = 0.05
+SHARED_EVENTS = 256  # a caught-up watcher's next events come from the hub's shared chunk
 # scope["extensions"]: the connection's asyncio transport (app/server.py puts it there)
 TRANSPORT = "engine_registry.transport"
 # A watch connection's kernel send buffer: what a consumer that stops reading can hold there
@@ -73,6 +74,10 @@ class Watchers:
         self.bookmark_s = bookmark_s
         self.open: set[WatchStream] = set()
         self.draining = False
+        # The lines from a position to the log's end, per role filter: watchers that are
+        # caught up stand at the same position, so one join serves them all.
+        self._chunks: dict[tuple[int, str | None], tuple[bytes, int, int]] = {}
+        self._chunks_end = -1
         self._monitor: asyncio.Task[None] | None = None
 
     def watch(self, after: int | None, role: str | None) -> WatchStream:
@@ -95,6 +100,26 @@ class Watchers:
                 oldest_revision=log.oldest,
             )
         return WatchStream(self, after, role)
+
+    def chunk(self, start: int, role: str | None) -> tuple[bytes, int, int]:
+        """The lines of the events from ``start`` to the log's end that pass ``role``: the
+        bytes, how many, and the last event's revision (0: none)."""
+        log = self.feed.log
+        if self._chunks_end != log.end:
+            self._chunks.clear()
+            self._chunks_end = log.end
+        hit = self._chunks.get((start, role))
+        if hit is None:
+            parts: list[bytes] = []
+            last = 0
+            for position in range(start, log.end):
+                event = log.at(position)
+                assert event is not None
+                last = event.revision
+                if role is None or event.role == role:
+                    parts.append(event.line)
+            hit = self._chunks[(start, role)] = (b"".join(parts), len(parts), last)
+        return hit
 
     def drain(self) -> None:
         """SIGTERM: every stream ends now with ``shutting_down``."""
@@ -195,6 +220,11 @@ class WatchStream(Response):
     def _collect(self) -> tuple[bytes, int]:
         """The unsent events (whole revisions, up to about ``CHUNK_BYTES``)."""
         feed, log = self.hub.feed, self.hub.feed.log
+        if self.revision >= self._skip_until and 0 < log.end - self.position <= SHARED_EVENTS:
+            data, count, last = self.hub.chunk(self.position, self.role)
+            self.position = log.end
+            self.revision = max(self.revision, last, feed.progress)
+            return data, count
         parts: list[bytes] = []
         size = sent = 0
         while (event := log.at(self.position)) is not None:
