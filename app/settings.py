@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     )
     watch_history: int = Field(
         10_000,
-        ge=100,
+        ge=10,
         le=1_000_000,
         description="Group changes each replica keeps for watches and list pages; older: 410.",
     )

@@ -29,26 +29,17 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from app.store.base import (
-    ChangeBatch,
-    Compare,
-    Entry,
-    KeyChange,
-    Lease,
-    Op,
-    Put,
-    Snapshot,
-    Store,
-    TxnResult,
-    Unavailable,
-)
+from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
 from app.store.sqlite_history import History
 from app.store.sqlite_pending import Pending
 from app.store.sqlite_thread import FileThread
 from app.store.waiters import Waiters
+
+if TYPE_CHECKING:
+    from app.store.base import ChangeBatch
 
 log = logging.getLogger("app.store")
 
@@ -220,9 +211,7 @@ class SqliteStore(Store):
         fut = self._thread.commit(change)
         self._pending.track(fut, keys, self._fail)
         if change.revision > self._history.recorded:  # a new revision (else renewals only)
-            changed = [KeyChange(e.key, e) for e in change.puts]
-            changed += [KeyChange(k, None) for k in change.deletes]
-            self._history.record(change.revision, tuple(changed), fut)
+            self._history.record(change, fut)
         return fut
 
     # -- reads -------------------------------------------------------------------------------
@@ -391,8 +380,7 @@ class SqliteStore(Store):
         progress_s: float,
         nudge: asyncio.Event | None = None,
     ) -> AsyncIterator[ChangeBatch]:
-        """From the bounded history of durable changes (``sqlite_history``); progress comes
-        at once past changes elsewhere, so ``nudge`` is not needed."""
+        """From the bounded history of durable changes (``sqlite_history``)."""
         await self._usable()
         async for batch in self._history.follow(
             prefix, start_revision, progress_s, lambda: self._closed

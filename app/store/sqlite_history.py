@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from app.store.base import ChangeBatch, Compacted, KeyChange
+from app.store.sqlite_file import Change
 
 
 class History:
@@ -38,10 +39,13 @@ class History:
         self.oldest = self.durable = self.recorded = revision
         self._wake()
 
-    def record(
-        self, revision: int, changes: tuple[KeyChange, ...], fut: asyncio.Future[None]
-    ) -> None:
-        """A change at ``revision`` whose commit is ``fut``."""
+    def record(self, change: Change, fut: asyncio.Future[None]) -> None:
+        """``change`` (a new revision) whose commit is ``fut``."""
+        changes = tuple(
+            [KeyChange(e.key, e) for e in change.puts]
+            + [KeyChange(k, None) for k in change.deletes]
+        )
+        revision = change.revision
         self.recorded = max(self.recorded, revision)
         self._pending.append((revision, changes, fut))
         fut.add_done_callback(self._settled)

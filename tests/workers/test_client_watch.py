@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.api, pytest.mark.timeout(90)]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
     directory = tmp_path_factory.mktemp("watch-client")
-    args = ["--watch-bookmark-s", "0.5", "--watch-history", "100", "--no-access-log"]
+    args = ["--watch-bookmark-s", "0.5", "--watch-history", "20", "--no-access-log"]
     url = f"sqlite:///{directory / 'registry.db'}"
     with RegistryProcess(url, args=args, log_path=directory / "registry.log") as proc:
         yield proc
@@ -99,7 +99,7 @@ def test_a_watch_from_a_compacted_revision_lists_again(client: RegistryClient) -
     group = gid()
     engine, _ = client.open_engine(group, launch_id="l0", tp_size=1, role="prefill")
     start = client.request("GET", "/tp-groups").json()["revision"]
-    for n in range(130):  # past the kept history (100 changes)
+    for n in range(30):  # past the kept history (20 changes)
         engine, _ = client.open_engine(group, launch_id=f"l{n + 1}", tp_size=1, role="prefill")
     events = iter(client.watch(revision=start, idle_timeout_s=5))
     (sync,) = take(events, 1)

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.store, pytest.mark.timeout(120)]
 READER = "reader-" + uuid.uuid4().hex
 WORKER = "worker-" + uuid.uuid4().hex
 ADMIN = "admin-" + uuid.uuid4().hex
-HISTORY = 100  # the smallest the setting takes: a few hundred requests run past it
+HISTORY = 20  # small: a few dozen requests run past it
 
 
 @pytest.fixture(scope="module", params=["sqlite", "etcd", "etcds"])
