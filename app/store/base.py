@@ -166,6 +166,10 @@ class Store(ABC):
         """Return True once a key under ``prefix`` changed after ``after_revision``,
         False when ``timeout_s`` passed first. May return True spuriously."""
 
+    async def entries(self, prefix: str) -> Snapshot:
+        """``range`` without the leases' time left (a follower of changes needs none)."""
+        return await self.range(prefix)
+
     async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
         """Seconds each lease has left (0 or less: expired), as ``range`` reports them."""
         return {}

@@ -347,6 +347,11 @@ class EtcdStore(Store):
         """etcd's own watch and revisions (``etcd_watch``)."""
         return etcd_watch.follow(self._call, self._root, prefix, start_revision, progress_s, nudge)
 
+    async def entries(self, prefix: str) -> Snapshot:
+        start = self._key(prefix)
+        reply = await self._read(start, prefix_range_end(start))
+        return Snapshot([self._entry(kv) for kv in reply.kvs], int(reply.header.revision), {})
+
     async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
         return await self._remaining(leases) if leases else {}
 

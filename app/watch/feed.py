@@ -89,7 +89,7 @@ class Feed:
                 await self._task
 
     async def _load(self) -> None:
-        snap = await self.store.range(PREFIX)
+        snap = await self.store.entries(PREFIX)
         groups: dict[str, dict[str, Entry]] = {}
         for entry in snap.entries:
             groups.setdefault(group_of(entry.key), {})[entry.key] = entry
@@ -177,11 +177,8 @@ class Feed:
             self._news = asyncio.get_running_loop().create_future()
         return self._news
 
-    async def caught_up(self, timeout_s: float) -> int:
-        """Wait until the feed has applied every change up to the store's revision now (a
-        list sees every write answered before it); returns the feed's revision."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+    async def ready(self, timeout_s: float) -> None:
+        """Wait for the feed's first read of the groups (a replica just started)."""
         if self.loaded is None:
             raise Unavailable("The watch feed is not started.")
         try:
@@ -191,6 +188,13 @@ class Feed:
                 f"The registry could not read the groups within {timeout_s:g} s: "
                 f"{self.failure or 'the store did not answer'}."
             ) from None
+
+    async def caught_up(self, timeout_s: float) -> int:
+        """Wait until the feed has applied every change up to the store's revision now (a
+        list sees every write answered before it); returns the feed's revision."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        await self.ready(timeout_s)
         head = await self.store.revision()
         while self.progress < head:
             left = deadline - loop.time()

@@ -80,7 +80,7 @@ class Watchers:
         self._chunks_end = -1
         self._monitor: asyncio.Task[None] | None = None
 
-    def watch(self, after: int | None, role: str | None) -> WatchStream:
+    async def watch(self, after: int | None, role: str | None, timeout_s: float) -> WatchStream:
         """A stream of the changes after revision ``after`` (None: from now)."""
         if self.draining:
             raise TooManyWatchers("This replica is shutting down: watch another one.")
@@ -89,6 +89,7 @@ class Watchers:
                 f"This replica serves {self.max_watchers} watches (REGISTRY_WATCH_MAX): watch "
                 "another replica, or retry later."
             )
+        await self.feed.ready(timeout_s)
         log = self.feed.log
         if after is None:
             after = self.feed.progress

@@ -55,7 +55,7 @@ async def list_groups(
 ) -> Response:
     watchers: Watchers = request.app.state.watchers
     if watch:
-        return watchers.watch(revision, role)
+        return await watchers.watch(revision, role, request.app.state.store_timeout_s)
     body = await read_page(
         watchers.feed,
         registry.store,
