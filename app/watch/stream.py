@@ -221,7 +221,12 @@ class WatchStream(Response):
     def _collect(self) -> tuple[bytes, int]:
         """The unsent events (whole revisions, up to about ``CHUNK_BYTES``)."""
         feed, log = self.hub.feed, self.hub.feed.log
-        if self.revision >= self._skip_until and 0 < log.end - self.position <= SHARED_EVENTS:
+        first = log.at(self.position)
+        if (
+            first is not None
+            and first.revision > self._skip_until
+            and log.end - self.position <= SHARED_EVENTS
+        ):
             data, count, last = self.hub.chunk(self.position, self.role)
             self.position = log.end
             self.revision = max(self.revision, last, feed.progress)
