@@ -35,6 +35,7 @@ GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
 # with 100 watchers).
 LINGER_S = 0.05
 SHARED_EVENTS = 256  # a caught-up watcher's next events come from the hub's shared chunk
+DIRECT_BUFFER = 64 * 1024  # a connection holding more unsent bytes sends on its own
 # scope["extensions"]: the connection's asyncio transport (app/server.py puts it there)
 TRANSPORT = "engine_registry.transport"
 # A watch connection's kernel send buffer: what a consumer that stops reading can hold there
@@ -76,9 +77,10 @@ class Watchers:
         self.draining = False
         # The lines from a position to the log's end, per role filter: watchers that are
         # caught up stand at the same position, so one join serves them all.
-        self._chunks: dict[tuple[int, str | None], tuple[bytes, int, int]] = {}
+        self._chunks: dict[tuple[int, str | None], tuple[bytes, bytes, int, int]] = {}
         self._chunks_end = -1
         self._monitor: asyncio.Task[None] | None = None
+        self._broadcaster: asyncio.Task[None] | None = None
 
     async def watch(self, after: int | None, role: str | None, timeout_s: float) -> WatchStream:
         """A stream of the changes after revision ``after`` (None: from now)."""
@@ -102,9 +104,9 @@ class Watchers:
             )
         return WatchStream(self, after, role)
 
-    def chunk(self, start: int, role: str | None) -> tuple[bytes, int, int]:
+    def chunk(self, start: int, role: str | None) -> tuple[bytes, bytes, int, int]:
         """The lines of the events from ``start`` to the log's end that pass ``role``: the
-        bytes, how many, and the last event's revision (0: none)."""
+        bytes, the same as one HTTP chunk, how many, and the last event's revision."""
         log = self.feed.log
         if self._chunks_end != log.end:
             self._chunks.clear()
@@ -119,7 +121,9 @@ class Watchers:
                 last = event.revision
                 if role is None or event.role == role:
                     parts.append(event.line)
-            hit = self._chunks[(start, role)] = (b"".join(parts), len(parts), last)
+            data = b"".join(parts)
+            framed = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+            hit = self._chunks[(start, role)] = (data, framed, len(parts), last)
         return hit
 
     def drain(self) -> None:
@@ -140,6 +144,35 @@ class Watchers:
         self.metrics.watchers.set(len(self.open))
         if self._monitor is None or self._monitor.done():
             self._monitor = asyncio.create_task(self._watch_budgets())
+        if self._broadcaster is None or self._broadcaster.done():
+            self._broadcaster = asyncio.create_task(self._broadcast())
+
+    async def _broadcast(self) -> None:
+        """While any stream is open: at each progress of the feed (at most one pass per
+        ``LINGER_S``), write the new lines straight to every stream that is caught up and
+        whose connection keeps up (one shared chunk per role, no task woken per stream);
+        wake the others, which send on their own (``WatchStream._pump``)."""
+        loop = asyncio.get_running_loop()
+        last = 0.0
+        while self.open:
+            news = self.feed.news()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(news), 1.0)
+            if not news.done():
+                continue
+            if (wait := last + LINGER_S - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            last = loop.time()
+            sent = 0
+            for stream in list(self.open):
+                if stream.live and not stream.ended:
+                    handled = stream.direct(last)
+                    if handled is None:
+                        stream.wake()
+                    else:
+                        sent += handled
+            if sent:
+                self.metrics.watch_events_sent.inc(sent)
 
     def _removed(self, stream: WatchStream) -> None:
         self.open.discard(stream)
@@ -177,7 +210,11 @@ class WatchStream(Response):
     def __init__(self, hub: Watchers, after: int, role: str | None) -> None:
         super().__init__(
             None,
-            headers={"cache-control": "no-store", "x-content-type-options": "nosniff"},
+            headers={
+                "cache-control": "no-store",
+                "x-content-type-options": "nosniff",
+                "transfer-encoding": "chunked",
+            },
             media_type=MEDIA_TYPE,
         )
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
@@ -193,6 +230,9 @@ class WatchStream(Response):
         self._cut: asyncio.Future[None] | None = None
         self.ended = False
         self._woken: asyncio.Future[None] | None = None
+        self.transport: asyncio.Transport | None = None
+        self.live = False  # caught up and idle: the hub writes its lines directly
+        self.last_write = 0.0
 
     def compacted_line(self) -> bytes:
         log = self.hub.feed.log
@@ -218,6 +258,35 @@ class WatchStream(Response):
         if self._woken is not None and not self._woken.done():
             self._woken.set_result(None)
 
+    def wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    def direct(self, now: float) -> int | None:
+        """The hub's fast path: the new lines written straight to the connection; how many
+        (None: this stream must send on its own: behind, filtered from a later revision, or
+        its connection's buffer is full)."""
+        feed, log, transport = self.hub.feed, self.hub.feed.log, self.transport
+        if transport is None or transport.is_closing():
+            return None
+        if transport.get_write_buffer_size() > DIRECT_BUFFER:
+            return None
+        if self.epoch != feed.epoch or self.position < log.offset:
+            return None
+        first = log.at(self.position)
+        if first is None:
+            self.revision = max(self.revision, feed.progress)
+            return 0
+        if first.revision <= self._skip_until or log.end - self.position > SHARED_EVENTS:
+            return None
+        _, framed, count, last = self.hub.chunk(self.position, self.role)
+        self.position = log.end
+        self.revision = max(self.revision, last, feed.progress)
+        if framed:
+            transport.write(framed)
+            self.last_write = now
+        return count
+
     def _collect(self) -> tuple[bytes, int]:
         """The unsent events (whole revisions, up to about ``CHUNK_BYTES``)."""
         feed, log = self.hub.feed, self.hub.feed.log
@@ -227,7 +296,7 @@ class WatchStream(Response):
             and first.revision > self._skip_until
             and log.end - self.position <= SHARED_EVENTS
         ):
-            data, count, last = self.hub.chunk(self.position, self.role)
+            data, _, count, last = self.hub.chunk(self.position, self.role)
             self.position = log.end
             self.revision = max(self.revision, last, feed.progress)
             return data, count
@@ -250,7 +319,7 @@ class WatchStream(Response):
     async def _pump(self, send: Send) -> None:
         loop = asyncio.get_running_loop()
         feed, metrics = self.hub.feed, self.hub.metrics
-        last = loop.time()
+        self.last_write = loop.time()
         while True:
             if self.final is not None:
                 await send({"type": "http.response.body", "body": self.final, "more_body": False})
@@ -263,21 +332,29 @@ class WatchStream(Response):
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 metrics.watch_events_sent.inc(count)
-                last = now
+                self.last_write = now
                 if len(chunk) < CHUNK_BYTES:  # caught up: let the next changes gather
                     await asyncio.sleep(LINGER_S)
                 continue
-            if now - last >= self.hub.bookmark_s:
+            if now - self.last_write >= self.hub.bookmark_s:
                 line = b'{"type":"BOOKMARK","revision":%d,"object":null}\n' % self.revision
                 await send({"type": "http.response.body", "body": line, "more_body": True})
-                last = now
+                self.last_write = now
                 continue
+            # Caught up: the hub writes what comes next (or wakes this stream to send it).
             self._woken = loop.create_future()
-            await asyncio.wait(
-                {feed.news(), self._woken},
-                timeout=self.hub.bookmark_s - (now - last),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            waits: set[asyncio.Future[None]] = {self._woken}
+            if self.transport is None:  # no direct path on this server: follow the feed
+                waits.add(feed.news())
+            self.live = True
+            try:
+                await asyncio.wait(
+                    waits,
+                    timeout=self.hub.bookmark_s - (now - self.last_write),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                self.live = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.hub._added(self)
@@ -285,6 +362,7 @@ class WatchStream(Response):
         if transport is not None and (sock := transport.get_extra_info("socket")) is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
+        self.transport = transport
         pump: asyncio.Task[None] | None = None
         gone: asyncio.Task[None] | None = None
         try:
