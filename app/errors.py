@@ -12,6 +12,8 @@
     ├── EngineIdMismatch      409      engine_id_mismatch (expected/got_engine_id, cause)
     ├── Incompatible          409      incompatible (mismatches)
     ├── EngineSuperseded      410      engine_superseded (current_engine_id, current_generation)
+    ├── RevisionCompacted     410      revision_compacted (oldest_revision)
+    ├── TooManyWatchers       503      too_many_watchers
     ├── NotReady              503      not_ready (missing_ranks)
     └── StoreUnavailable      503      store_unavailable
 
@@ -156,6 +158,18 @@ class EngineSuperseded(RegistryError):
     status = 410
     code = "engine_superseded"
     title = "Engine superseded by a newer generation"
+
+
+class RevisionCompacted(RegistryError):
+    status = 410
+    code = "revision_compacted"
+    title = "The revision is older than the history this registry keeps"
+
+
+class TooManyWatchers(RegistryError):
+    status = 503
+    code = "too_many_watchers"
+    title = "This replica serves as many watches as it may"
 
 
 class NotReady(RegistryError):

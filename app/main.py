@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import resource
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -32,8 +33,20 @@ from app.registry import Registry
 from app.settings import Settings
 from app.store import Store, Unavailable, create_store
 from app.tokens import router as admin_router
+from app.watch.feed import Feed
+from app.watch.stream import Watchers
 
 log = logging.getLogger("app")
+
+
+def watch_limit(settings: Settings) -> int:
+    """``watch_max``, else half the connections the descriptor limit leaves room for."""
+    if settings.watch_max is not None:
+        return settings.watch_max
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, min(settings.max_connections, soft - 64) // 2)
 
 
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:
@@ -58,11 +71,27 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         # process: out of the collector's sight, a full collection never walks it again.
         gc.freeze()
         app.state.registry = registry = Registry(owned, metrics, settings.events_keep)
+        feed = Feed(
+            owned,
+            registry.decoded,
+            keep=settings.watch_history,
+            progress_s=min(1.0, settings.watch_bookmark_s),
+        )
+        feed.start()
+        app.state.watchers = Watchers(
+            feed,
+            metrics,
+            max_watchers=watch_limit(settings),
+            budget_bytes=settings.watch_send_budget_bytes,
+            bookmark_s=settings.watch_bookmark_s,
+        )
         log.info("registry serving", extra={"store": owned.description})
         try:
             async with tokens.watching():
                 yield
         finally:
+            app.state.watchers.drain()
+            await feed.close()
             await registry.events.close()
             await owned.close()
 
@@ -81,6 +110,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.include_router(status_page.router)
     app.include_router(admin_router)
     app.state.tokens = tokens
+    app.state.store_timeout_s = settings.store_timeout_s
 
     @app.exception_handler(RegistryError)
     async def on_registry_error(request: Request, exc: RegistryError) -> Response:

@@ -104,5 +104,19 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.watchers = Gauge(
+            "registry_watchers", "Watch streams open on this replica.", registry=self.registry
+        )
+        self.watch_events_sent = Counter(
+            "registry_watch_events_sent",
+            "Changes (ADDED, MODIFIED, DELETED lines) written to watch streams.",
+            registry=self.registry,
+        )
+        self.watch_slow_consumers = Counter(
+            "registry_watch_slow_consumers_closed",
+            "Watch streams closed because their consumer fell behind its send budget.",
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

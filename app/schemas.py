@@ -217,7 +217,17 @@ class Handshake(BaseModel):
 
 
 class Groups(BaseModel):
+    model_config = ConfigDict(serialize_by_alias=True, validate_by_name=True)
+
     groups: list[Engine]
+    revision: int = Field(
+        0, description="The store revision the list was read at: watch from it for what follows."
+    )
+    continue_: str | None = Field(
+        None,
+        alias="continue",
+        description="Pass as ?continue= for the next page (same snapshot); null on the last.",
+    )
 
 
 # -- batches: the ranks of a node (or a group) in one request --------------------------------

@@ -23,7 +23,8 @@ descriptor limit, whose soft value is raised to the hard one at start. A request
 arrive within ``body_timeout_s`` of its headers (``408``, and the connection closes).
 
 On SIGTERM the registry drains first: every held ``wait_ready`` answers at once with the
-group's current state, then uvicorn closes connections and the store.
+group's current state and every watch stream ends with a final ``shutting_down`` line, then
+uvicorn closes connections and the store.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from app.api.hot import HotPath
 from app.problems import PROBLEM_MEDIA_TYPE
 from app.settings import Settings, is_loopback_host
 from app.tls import server_context, tls_loop_factory
+from app.watch.stream import TRANSPORT
 
 log = logging.getLogger("app")
 
@@ -205,6 +207,8 @@ def guarded_protocol(
                 self._too_large()
                 return
             super().on_headers_complete()
+            # A watch stream cuts off a consumer that stopped reading (app/watch/stream.py).
+            self.scope.setdefault("extensions", {})[TRANSPORT] = self.transport  # type: ignore[assignment]
             # Until the message completes, its body is on the clock (a request without a
             # body completes in this same feed).
             self._in_body = True
@@ -276,12 +280,13 @@ class RegistryServer(uvicorn.Server):
         self._app = app
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        registry = getattr(self._app.state, "registry", None)
-        if registry is not None:
-            try:
-                asyncio.get_running_loop().call_soon_threadsafe(registry.drain)
-            except RuntimeError:
-                registry.drain()
+        for held in ("registry", "watchers"):  # held long-polls, then watch streams
+            holder = getattr(self._app.state, held, None)
+            if holder is not None:
+                try:
+                    asyncio.get_running_loop().call_soon_threadsafe(holder.drain)
+                except RuntimeError:
+                    holder.drain()
         super().handle_exit(sig, frame)
 
 

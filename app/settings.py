@@ -75,6 +75,26 @@ class Settings(BaseSettings):
         le=100_000,
         description="Events (refusals, handshakes, lease expiries) the store keeps, newest first.",
     )
+    watch_history: int = Field(
+        10_000,
+        ge=10,
+        le=1_000_000,
+        description="Group changes each replica keeps for watches and list pages; older: 410.",
+    )
+    watch_max: int | None = Field(
+        None,
+        ge=1,
+        description="Watch streams per replica (default: half the connection limit, itself "
+        "kept below the descriptor limit); past it, 503 too_many_watchers.",
+    )
+    watch_bookmark_s: float = Field(
+        5.0, gt=0, le=300, description="A quiet watch stream gets a BOOKMARK this often."
+    )
+    watch_send_budget_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=65536,
+        description="Bytes a watcher may fall behind; past it, closed (slow_consumer).",
+    )
     fast_path: bool = Field(
         True, description="Answer the hot routes without FastAPI's per-request machinery."
     )

@@ -2,7 +2,10 @@
 
 Rendered on the server from the registry's read model (one store-wide read per page), with
 inline CSS and a small inline script (allowed by hash in the Content-Security-Policy) that
-polls the same URL and swaps the page's main part in, or shows a banner when a poll fails.
+follows the registry's watch stream (``GET /tp-groups?watch=true``) and, when a group
+changes, fetches the same URL and swaps the page's main part in (at most once a second); it
+shows a banner when the stream breaks or goes silent (no bookmark for 20 s), and follows it
+again every refresh period from its revision.
 Without JavaScript a ``<noscript>`` meta refresh reloads the page. Every value that comes
 from a client (group ids, hosts, agent names, details) goes through :func:`html.escape`.
 """
@@ -42,7 +45,14 @@ SCRIPT = """
 (function(){
   var lost = document.getElementById("lost");
   var every = Number(document.body.dataset.refresh) || 5;
-  async function poll(){
+  var revision = null, pending = false, last = 0;
+  function down(why){
+    lost.textContent = "Lost the registry at " + new Date().toISOString() + " (" + why +
+      "); the page below is from before. Retrying every " + every + " s.";
+    lost.hidden = false;
+  }
+  async function refresh(){
+    pending = false; last = Date.now();
     try {
       var r = await fetch(location.href, {credentials: "same-origin", cache: "no-store",
         signal: AbortSignal.timeout(4000)});
@@ -50,13 +60,47 @@ SCRIPT = """
       var doc = new DOMParser().parseFromString(await r.text(), "text/html");
       document.querySelector("main").replaceWith(doc.querySelector("main"));
       lost.hidden = true;
+    } catch (e) { down(e.message); }
+  }
+  function changed(){
+    if (pending) return;
+    pending = true;
+    setTimeout(refresh, Math.max(0, 1000 - (Date.now() - last)));
+  }
+  function silent(ms){
+    return new Promise(function(_, no){
+      setTimeout(function(){ no(new Error("no word for " + ms / 1000 + " s")); }, ms);
+    });
+  }
+  async function follow(){
+    var url = location.origin + "/tp-groups?watch=true" +
+      (revision === null ? "" : "&revision=" + revision);
+    try {
+      var r = await fetch(url, {credentials: "same-origin", cache: "no-store"});
+      if (r.status === 410) { revision = null; changed(); throw new Error("history compacted"); }
+      if (!r.ok) throw new Error("the registry answered " + r.status);
+      if (revision !== null || !lost.hidden) changed();
+      var reader = r.body.getReader(), decoder = new TextDecoder(), text = "";
+      while (true) {
+        var got = await Promise.race([reader.read(), silent(20000)]);
+        if (got.done) throw new Error("the registry ended the stream");
+        text += decoder.decode(got.value, {stream: true});
+        var lines = text.split("\\n");
+        text = lines.pop();
+        for (var i = 0; i < lines.length; i++) {
+          if (!lines[i]) continue;
+          var line = JSON.parse(lines[i]);
+          if (line.type === "ERROR") throw new Error(line.object.detail);
+          revision = line.revision;
+          if (line.type !== "BOOKMARK") changed();
+        }
+      }
     } catch (e) {
-      lost.textContent = "Lost the registry at " + new Date().toISOString() +
-        " (" + e.message + "); the page below is from before. Retrying every " + every + " s.";
-      lost.hidden = false;
+      down(e.message);
+      setTimeout(follow, every * 1000);
     }
   }
-  setInterval(poll, every * 1000);
+  follow();
 })();
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import report_lean, soak
+from bench import report_lean, report_watch, soak
 
 OPS = ("open", "get_engine", "register", "heartbeat", "handshake", "wait_ready")
 
@@ -194,6 +194,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
             label = f"heavy storm: ranks/s ≥ etcd direct ({int(n):,} ranks)"
             out.append(report_lean.vs_etcd(label, ours, base))
     out += _request_path_targets(results)
+    out += report_watch.targets(results.get("watch", {}))
     h = results.get("handshake", {})
     for r in h.get("rows", []):
         if r["decode_tp"] == 8:
@@ -331,4 +332,6 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
         lines += _transfer(results["transfer"])
     if "soak" in results:
         lines += soak.section(results["soak"])
+    if "watch" in results:
+        lines += report_watch.table(results["watch"])
     return "\n".join(lines).rstrip() + "\n"

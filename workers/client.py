@@ -39,6 +39,7 @@ from workers.models import (
     Role,
 )
 from workers.tls import ClientTLS, tls_failure
+from workers.watch import AsyncGroupWatch, GroupWatch
 
 DEFAULT_TIMEOUT_S = 10.0
 # Extra time granted to an attempt that asked the server to hold the answer (wait_ready).
@@ -228,6 +229,38 @@ class RegistryClient:
     def list_groups(self, *, timeout_s: float | None = None) -> list[Engine]:
         r = self.request("GET", "/tp-groups", timeout_s=timeout_s)
         return [Engine.from_json(g) for g in r.json()["groups"]]
+
+    def watch(
+        self,
+        *,
+        revision: int | None = None,
+        role: Role | None = None,
+        bookmarks: bool = False,
+        idle_timeout_s: float = 20.0,
+        lost_after_s: float = 30.0,
+    ) -> GroupWatch:
+        """Every change of every group, as it lands (`workers.watch`): a `SYNC` of the groups
+        first (unless started at `revision`), then each change once, in order, across
+        replicas and relists; `WatchLost` when no replica answers for `lost_after_s`."""
+        return GroupWatch(
+            self, revision=revision, role=role, bookmarks=bookmarks,
+            idle_timeout_s=idle_timeout_s, lost_after_s=lost_after_s,
+        )  # fmt: skip
+
+    def awatch(
+        self,
+        *,
+        revision: int | None = None,
+        role: Role | None = None,
+        bookmarks: bool = False,
+        idle_timeout_s: float = 20.0,
+        lost_after_s: float = 30.0,
+    ) -> AsyncGroupWatch:
+        """`watch`, as an asynchronous iterator."""
+        return AsyncGroupWatch(
+            self, revision=revision, role=role, bookmarks=bookmarks,
+            idle_timeout_s=idle_timeout_s, lost_after_s=lost_after_s,
+        )  # fmt: skip
 
     def delete_group(self, group_id: str, *, timeout_s: float | None = None) -> None:
         self.request("DELETE", f"/tp-groups/{group_id}", timeout_s=timeout_s)

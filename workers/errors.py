@@ -163,6 +163,25 @@ class StoreUnavailable(ProblemError):
     code = "store_unavailable"
 
 
+class RevisionCompacted(ProblemError):
+    """A watch or a list page older than the history the registry keeps: list again."""
+
+    code = "revision_compacted"
+
+    @property
+    def oldest_revision(self) -> int:
+        return int(self.problem.get("oldest_revision", 0))
+
+
+class TooManyWatchers(ProblemError):
+    code = "too_many_watchers"
+
+
+class WatchLost(RegistryUnavailable):
+    """A watch heard nothing from any registry replica (no line, no bookmark, no answer)
+    for its deadline: the registry is lost to this process."""
+
+
 PROBLEM_CLASSES: dict[str, type[ProblemError]] = {
     cls.code: cls
     for cls in (
@@ -178,6 +197,8 @@ PROBLEM_CLASSES: dict[str, type[ProblemError]] = {
         PayloadTooLarge,
         NotReady,
         StoreUnavailable,
+        RevisionCompacted,
+        TooManyWatchers,
     )
 }
 

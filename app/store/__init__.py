@@ -12,9 +12,12 @@ import importlib
 
 from app.store.base import (
     Backend,
+    ChangeBatch,
+    Compacted,
     Compare,
     Delete,
     Entry,
+    KeyChange,
     Lease,
     Op,
     Put,
@@ -28,10 +31,13 @@ from app.store.base import (
 from app.store.etcd_config import EtcdAccess, redact
 
 __all__ = [
+    "ChangeBatch",
+    "Compacted",
     "Compare",
     "Delete",
     "Entry",
     "EtcdAccess",
+    "KeyChange",
     "Lease",
     "Op",
     "Put",
@@ -79,10 +85,14 @@ def create_store(
     timeout_s: float = 10.0,
     sweep_interval_s: float = 1.0,
     etcd: EtcdAccess | None = None,
+    history: int = 10_000,
 ) -> Store:
     """Build the store a URL names (``sqlite:///path``, ``etcd[s]://h:p[,h:p…]/prefix``);
-    ``etcd``: TLS files and credentials for an ``etcds://`` store."""
-    options = StoreOptions(timeout_s=timeout_s, sweep_interval_s=sweep_interval_s, etcd=etcd)
+    ``etcd``: TLS files and credentials for an ``etcds://`` store; ``history``: revisions of
+    changes a SQLite store keeps for watches (etcd keeps its own)."""
+    options = StoreOptions(
+        timeout_s=timeout_s, sweep_interval_s=sweep_interval_s, etcd=etcd, history=history
+    )
     found = backend(url)
     found.check_url(url)
     return found.open(url, options)

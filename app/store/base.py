@@ -17,9 +17,10 @@ within the operator's bound, and never anything backend-specific.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,33 @@ class Snapshot:
     read_at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, slots=True)
+class KeyChange:
+    """One key's change: its new ``entry``, or None when it was deleted (or its lease
+    expired)."""
+
+    key: str
+    entry: Entry | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeBatch:
+    """The changes under a watched prefix at one ``revision``, in key order of the write.
+    Empty ``changes``: progress, every change up to ``revision`` has been delivered."""
+
+    revision: int
+    changes: tuple[KeyChange, ...]
+
+
+class Compacted(Exception):
+    """The store no longer keeps the changes a watch asked for: ``oldest`` is the oldest
+    revision a watch may start at (read again, then watch from after the read's revision)."""
+
+    def __init__(self, oldest: int) -> None:
+        super().__init__(f"history before revision {oldest} is compacted")
+        self.oldest = oldest
+
+
 class Store(ABC):
     """A key-value store with compare-and-set transactions and leases (see module doc)."""
 
@@ -144,6 +172,33 @@ class Store(ABC):
         """Return True once a key under ``prefix`` changed after ``after_revision``,
         False when ``timeout_s`` passed first. May return True spuriously."""
 
+    async def entries(self, prefix: str) -> Snapshot:
+        """``range`` without the leases' time left (a follower of changes needs none)."""
+        return await self.range(prefix)
+
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        """Seconds each lease has left (0 or less: expired), as ``range`` reports them."""
+        return {}
+
+    async def revision(self) -> int:
+        """The store's current revision (a linearizable read of nothing)."""
+        return (await self.range("\x7frevision/")).revision
+
+    @abstractmethod
+    def changes(
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
+    ) -> AsyncIterator[ChangeBatch]:
+        """Every change under ``prefix`` at ``start_revision`` and after, one batch per
+        revision in revision order, with an empty batch (progress) at least every
+        ``progress_s`` when nothing changes, and soon after ``nudge`` is set. Raises
+        :class:`Compacted` when the history from ``start_revision`` is gone (at the start or
+        later), :class:`Unavailable` when the stream breaks: the caller opens it again after
+        the last revision it got."""
+
     async def start(self) -> None:  # noqa: B027 - optional hook, most backends are lazy
         """Connect and start the backend's own background work; lazy backends need not."""
 
@@ -162,6 +217,7 @@ class StoreOptions:
     timeout_s: float = 10.0
     sweep_interval_s: float = 1.0  # SQLite: how often expired leases are purged
     etcd: EtcdAccess | None = None  # etcd: TLS files and credentials
+    history: int = 10_000  # SQLite: revisions of changes kept for watches
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
+from app.store import etcd_watch
+from app.store.base import (
+    ChangeBatch,
+    Compare,
+    Entry,
+    Lease,
+    Op,
+    Put,
+    Snapshot,
+    Store,
+    TxnResult,
+    Unavailable,
+)
 from app.store.etcd_cluster import Cluster
 from app.store.etcd_config import EtcdAccess, EtcdUrl, parse_url
 from app.store.etcd_state import LeaseBook, WatchHub
@@ -324,6 +336,27 @@ class EtcdStore(Store):
         if self._hubs.get(segment) is hub:
             del self._hubs[segment]
         hub.end()
+
+    def changes(
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
+    ) -> AsyncIterator[ChangeBatch]:
+        """etcd's own watch and revisions (``etcd_watch``)."""
+        return etcd_watch.follow(self._call, self._root, prefix, start_revision, progress_s, nudge)
+
+    async def entries(self, prefix: str) -> Snapshot:
+        start = self._key(prefix)
+        reply = await self._read(start, prefix_range_end(start))
+        return Snapshot([self._entry(kv) for kv in reply.kvs], int(reply.header.revision), {})
+
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        return await self._remaining(leases) if leases else {}
+
+    async def revision(self) -> int:
+        return await self._call("read", self._head)
 
     def _watch_health(self) -> asyncio.Future[Unavailable]:
         """The future a failed probe resolves, with a prober running to resolve it."""

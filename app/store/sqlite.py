@@ -26,16 +26,20 @@ import contextlib
 import heapq
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
+from app.store.sqlite_history import History
 from app.store.sqlite_pending import Pending
 from app.store.sqlite_thread import FileThread
 from app.store.waiters import Waiters
+
+if TYPE_CHECKING:
+    from app.store.base import ChangeBatch
 
 log = logging.getLogger("app.store")
 
@@ -58,6 +62,7 @@ class SqliteStore(Store):
         synchronous: str = "NORMAL",
         sweep_interval_s: float = 1.0,
         max_pending: int = 20_000,
+        history: int = 10_000,
     ) -> None:
         self.path = str(path)
         self.description = f"sqlite:///{self.path}"
@@ -83,6 +88,7 @@ class SqliteStore(Store):
         self._failure: FileFailure | None = None
         self._recovering: asyncio.Lock | None = None
         self._waiters = Waiters()
+        self._history = History(history)
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -107,6 +113,8 @@ class SqliteStore(Store):
                 self._leases[entry.lease].keys.add(entry.key)
         self._expiry = [(lease.expires_at, i) for i, lease in self._leases.items()]
         heapq.heapify(self._expiry)
+        if not self._loaded:  # a reload after a failed commit keeps what is durable
+            self._history.reset(loaded.revision)
         self._revision, self._next_lease = loaded.revision, loaded.next_lease
         self._pending.clear()
         self._loaded = True
@@ -202,6 +210,8 @@ class SqliteStore(Store):
             change.lease_puts.extend(self._checkpoint())
         fut = self._thread.commit(change)
         self._pending.track(fut, keys, self._fail)
+        if change.revision > self._history.recorded:  # a new revision (else renewals only)
+            self._history.record(change, fut)
         return fut
 
     # -- reads -------------------------------------------------------------------------------
@@ -357,6 +367,26 @@ class SqliteStore(Store):
             return True
         return await self._waiters.wait(prefix, timeout_s)
 
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        now = time.time()
+        return {
+            i: (lease.expires_at - now if (lease := self._leases.get(i)) else 0.0) for i in leases
+        }
+
+    async def changes(
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
+    ) -> AsyncIterator[ChangeBatch]:
+        """From the bounded history of durable changes (``sqlite_history``)."""
+        await self._usable()
+        async for batch in self._history.follow(
+            prefix, start_revision, progress_s, lambda: self._closed
+        ):
+            yield batch
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def ping(self) -> None:
@@ -377,6 +407,7 @@ class SqliteStore(Store):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         self._wake_all()
+        self._history.wake()
         await self._thread.stop(self._timeout_s)
 
     def stats(self) -> dict[str, Any]:

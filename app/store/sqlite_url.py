@@ -35,6 +35,7 @@ def open_store(url: str, options: StoreOptions) -> Store:
         timeout_s=options.timeout_s,
         synchronous=synchronous,
         sweep_interval_s=options.sweep_interval_s,
+        history=options.history,
     )
 
 

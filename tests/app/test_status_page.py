@@ -201,6 +201,30 @@ def test_the_page_is_valid_html(registry: RegistryProcess, tmp_path: Path) -> No
     assert errors == [], json.dumps(errors, indent=1)
 
 
+def _status_reads(registry: RegistryProcess) -> int:
+    """Answered ``GET /status`` requests in the registry's access log so far."""
+    assert registry.log_path is not None
+    log = registry.log_path.read_text()
+    return log.count('"path": "/status", "route": "/status", "status": 200')
+
+
+def test_the_page_follows_the_watch_stream_instead_of_polling(
+    registry: RegistryProcess, browser: Chromium
+) -> None:
+    browser.navigate(_page_url(registry))
+    browser.wait_for("document.getElementById('lost').hidden", timeout_s=10)
+    quiet = _status_reads(registry)
+    time.sleep(7)  # longer than the page's refresh period (5 s): a poll would have come
+    assert _status_reads(registry) == quiet, "the page polled with nothing changed"
+    with httpx.Client(base_url=registry.url, headers={"Authorization": f"Bearer {WORKER}"}) as c:
+        _open(c, "prefill-late", 2, "prefill")
+    # The change comes down the stream; the page reads itself once and shows it.
+    browser.wait_for(
+        "document.querySelector('main').innerText.includes('prefill-late')", timeout_s=10
+    )
+    assert _status_reads(registry) == quiet + 1
+
+
 def test_the_page_says_when_it_lost_the_registry(
     registry: RegistryProcess, browser: Chromium, tmp_path: Path
 ) -> None:

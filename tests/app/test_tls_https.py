@@ -20,7 +20,7 @@ from tests.app.conftest import READER, tokens_file
 from tests.support.pki import Pki
 from tests.support.server import ROOT, RegistryProcess
 from workers.client import RegistryClient
-from workers.errors import RegistryUnavailable
+from workers.errors import RegistryUnavailable, Unauthorized
 from workers.tls import ClientTLS, RegistryTLSError
 
 pytestmark = pytest.mark.tls
@@ -32,7 +32,7 @@ def server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Regis
     tokens = tokens_file(d, f"reader:{READER}")
     with RegistryProcess(
         f"sqlite:///{d / 'registry.db'}",
-        args=["--tokens-file", str(tokens), "--header-timeout-s", "2"],
+        args=["--tokens-file", str(tokens), "--header-timeout-s", "2", "--watch-bookmark-s", "0.5"],
         tls=pki.https(),
         log_path=d / "registry.log",
     ) as proc:
@@ -55,6 +55,23 @@ def test_https_answers_with_the_ca_and_plain_http_to_the_port_fails(
     plain = f"http://{server.host}:{server.port}/healthz"
     with pytest.raises(httpx.HTTPError):
         httpx.get(plain, timeout=5)
+
+
+def test_the_watch_stream_is_served_over_https_with_the_token(
+    server: RegistryProcess, pki: Pki
+) -> None:
+    tls = ClientTLS(ca=pki.ca)
+    with RegistryClient(server.url, token=READER, tls=tls, timeout_s=10) as client:
+        events = iter(client.watch(bookmarks=True, idle_timeout_s=5))
+        sync, bookmark = next(events), next(events)
+    assert sync.type == "SYNC"
+    assert bookmark.type == "BOOKMARK"
+    assert bookmark.revision >= sync.revision
+    with (
+        RegistryClient(server.url, tls=tls, timeout_s=10) as anonymous,
+        pytest.raises(Unauthorized),
+    ):
+        next(iter(anonymous.watch(revision=0)))
 
 
 def test_a_wrong_ca_fails_at_once_naming_the_url_and_the_setting(

@@ -20,14 +20,52 @@ from app.schemas import (
     OpenEngineRequest,
     RegisterAgentRequest,
     RegisterAgentsRequest,
+    Role,
 )
+from app.watch.pages import read_page
+from app.watch.stream import Watchers
 
 router = APIRouter(prefix="/tp-groups", tags=["tp-groups"], route_class=LimitedJsonRoute)
 
 
-@router.get("", response_model=Groups, summary="Current engine of every group")
-async def list_groups(registry: RegistryDep) -> Response:
-    return answer(Groups.model_construct(groups=await registry.list_groups()))
+@router.get(
+    "",
+    response_model=Groups,
+    summary="Current engine of every group, in pages; or, with watch=true, a stream of changes",
+    responses={200: {"content": {"application/x-ndjson": {}}}},
+)
+async def list_groups(
+    registry: RegistryDep,
+    request: Request,
+    watch: Annotated[
+        bool, Query(description="Stream every change after `revision`, one JSON per line.")
+    ] = False,
+    revision: Annotated[
+        int | None,
+        Query(ge=0, description="watch: the changes after this revision (default: from now)."),
+    ] = None,
+    limit: Annotated[
+        int | None, Query(ge=1, le=10_000, description="At most this many groups a page.")
+    ] = None,
+    continue_: Annotated[
+        str | None,
+        Query(alias="continue", max_length=512, description="The previous page's `continue`."),
+    ] = None,
+    role: Annotated[Role | None, Query(description="Only groups of this role.")] = None,
+) -> Response:
+    watchers: Watchers = request.app.state.watchers
+    if watch:
+        return await watchers.watch(revision, role, request.app.state.store_timeout_s)
+    body = await read_page(
+        watchers.feed,
+        registry.store,
+        registry.decoded,
+        limit=limit,
+        token=continue_,
+        role=role,
+        timeout_s=request.app.state.store_timeout_s,
+    )
+    return Response(body, media_type="application/json")
 
 
 @router.put(

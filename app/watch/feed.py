@@ -1,0 +1,208 @@
+"""One replica's feed of group changes: one store change stream (``Store.changes`` on
+``groups/``: SQLite's history, etcd's watch) for every watcher and list page of the process.
+
+The feed keeps every group's stored entries as of its ``progress`` (the store revision up to
+which it has applied every change), turns each store revision's changes into one event per
+group touched (ADDED, MODIFIED, DELETED with the group's engine as the API shows it),
+appends them to a bounded :class:`EventLog`, and wakes the watchers. The same revision gives
+the same events on every replica of an etcd store, which is what lets a watcher resume on
+another replica at its last revision.
+
+A broken stream is opened again after ``progress`` (through another etcd member); a history
+compacted under it makes the feed read the groups again and start a new log: watchers older
+than that are told ``revision_compacted`` and relist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from app.registry.records import Decoded, _engine_key
+from app.registry.state import GroupState
+from app.schemas import Engine
+from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
+from app.watch.history import EventLog, Group, GroupEvent
+
+log = logging.getLogger("app.watch")
+
+PREFIX = "groups/"
+
+
+def group_of(key: str) -> str:
+    return key[len(PREFIX) :].partition("/")[0]
+
+
+def view(
+    gid: str,
+    group: Group,
+    revision: int,
+    decoded: Decoded,
+    remaining: dict[int, float] | None = None,
+    now: float | None = None,
+) -> Engine | None:
+    """The group's engine as the API shows it; ``remaining``: its leases' time left (else a
+    full TTL from ``now``)."""
+    entries = [group[k] for k in sorted(group)]
+    snap = Snapshot(entries, revision, remaining or {}, time.time() if now is None else now)
+    state = GroupState.read(snap, gid, decoded)
+    return None if state is None else state.view()
+
+
+def encode(kind: str, revision: int, engine: Engine | None) -> bytes:
+    body = b"null" if engine is None else engine.__pydantic_serializer__.to_json(engine)
+    return b'{"type":"%s","revision":%d,"object":%s}\n' % (kind.encode(), revision, body)
+
+
+class Feed:
+    def __init__(
+        self, store: Store, decoded: Decoded, *, keep: int = 10_000, progress_s: float = 1.0
+    ) -> None:
+        self.store = store
+        self.decoded = decoded
+        self.progress_s = progress_s
+        self.groups: dict[str, Group] = {}
+        self.log = EventLog(keep)
+        self.progress = 0
+        self.epoch = 0  # a new log (after a compaction): older positions mean nothing
+        self.loaded: asyncio.Future[None] | None = None
+        self.failure: str | None = None
+        self._news: asyncio.Future[None] | None = None
+        self._nudge = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.closing = False
+
+    # -- following the store -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loaded = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        self.closing = True
+        self._wake()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _load(self) -> None:
+        snap = await self.store.entries(PREFIX)
+        groups: dict[str, dict[str, Entry]] = {}
+        for entry in snap.entries:
+            groups.setdefault(group_of(entry.key), {})[entry.key] = entry
+        self.groups = dict(groups)
+        self.progress = snap.revision
+        self.log.reset(snap.revision)
+        self.epoch += 1
+        if self.loaded is not None and not self.loaded.done():
+            self.loaded.set_result(None)
+        self._wake()
+
+    async def _run(self) -> None:
+        fresh = True
+        while not self.closing:
+            try:
+                if fresh:
+                    await self._load()
+                    fresh = False
+                stream = self.store.changes(PREFIX, self.progress + 1, self.progress_s, self._nudge)
+                async for batch in stream:
+                    self._apply(batch)
+                    self.failure = None
+            except Compacted as exc:
+                log.warning(
+                    "watch history compacted: reading the groups again",
+                    extra={"oldest": exc.oldest},
+                )
+                fresh = True
+            except Unavailable as exc:
+                self.failure = exc.detail
+                await asyncio.sleep(0.2)
+            except Exception:
+                log.exception("the watch feed failed; following again")
+                self.failure = "the watch feed failed"
+                await asyncio.sleep(1.0)
+
+    def _apply(self, batch: ChangeBatch) -> None:
+        if batch.changes:
+            touched: dict[str, Group | None] = {}
+            for change in batch.changes:
+                gid = group_of(change.key)
+                group = self.groups.get(gid)
+                if gid not in touched:
+                    touched[gid] = group
+                new = dict(group) if group is not None else {}
+                if change.entry is None:
+                    new.pop(change.key, None)
+                else:
+                    new[change.key] = change.entry
+                if new:
+                    self.groups[gid] = new
+                else:
+                    self.groups.pop(gid, None)
+            now = time.time()
+            for gid, before in touched.items():
+                self._event(gid, before, batch.revision, now)
+        self.progress = max(self.progress, batch.revision)
+        self._wake()
+
+    def _event(self, gid: str, before: Group | None, revision: int, now: float) -> None:
+        after = self.groups.get(gid)
+        new = view(gid, after, revision, self.decoded, now=now) if after else None
+        if new is not None:
+            existed = before is not None and _engine_key(gid) in before
+            kind, shown = ("MODIFIED" if existed else "ADDED"), new
+        else:
+            old = view(gid, before, revision, self.decoded, now=now) if before else None
+            if old is None:
+                return  # keys of no engine, before and after
+            kind, shown = "DELETED", old
+        self.log.append(
+            GroupEvent(revision, gid, kind, shown.role, encode(kind, revision, shown), before)
+        )
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._news is not None and not self._news.done():
+            self._news.set_result(None)
+        self._news = None
+
+    def news(self) -> asyncio.Future[None]:
+        """A future that completes at the feed's next progress (or its closing)."""
+        if self._news is None:
+            self._news = asyncio.get_running_loop().create_future()
+        return self._news
+
+    async def ready(self, timeout_s: float) -> None:
+        """Wait for the feed's first read of the groups (a replica just started)."""
+        if self.loaded is None:
+            raise Unavailable("The watch feed is not started.")
+        try:
+            await asyncio.wait_for(asyncio.shield(self.loaded), timeout_s)
+        except TimeoutError:
+            raise Unavailable(
+                f"The registry could not read the groups within {timeout_s:g} s: "
+                f"{self.failure or 'the store did not answer'}."
+            ) from None
+
+    async def caught_up(self, timeout_s: float) -> int:
+        """Wait until the feed has applied every change up to the store's revision now (a
+        list sees every write answered before it); returns the feed's revision."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        await self.ready(timeout_s)
+        head = await self.store.revision()
+        while self.progress < head:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Unavailable(
+                    f"The registry's view of the store is behind it (at revision "
+                    f"{self.progress}, the store at {head}): {self.failure or 'catching up'}."
+                )
+            self._nudge.set()
+            await asyncio.wait({self.news()}, timeout=min(left, self.progress_s))
+        return self.progress

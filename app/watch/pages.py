@@ -1,0 +1,109 @@
+"""``GET /tp-groups``: the groups as of one store revision, in pages.
+
+A list is read from the feed once it has applied every change up to the store's revision at
+the request (so it sees every write answered before it). Its pages are one snapshot: the
+``continue`` token names the revision and the last group sent, and a later page is the feed's
+groups as of that revision (undoing the changes since, from the log), so a fleet of 12,500
+groups is walked in pages with nothing missed or seen twice. A token older than the log
+answers ``410 revision_compacted``: list again. Leases (``expires_at``) are as of the read.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from collections.abc import Mapping
+
+from app.errors import FieldProblem, InvalidRequest, RevisionCompacted
+from app.registry.records import Decoded, EngineRecord, _engine_key
+from app.store import Store
+from app.watch.feed import Feed, view
+from app.watch.history import Group
+
+
+def encode_token(revision: int, after: str, role: str | None) -> str:
+    raw = json.dumps({"r": revision, "a": after, "role": role}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_token(token: str) -> tuple[int, str, str | None]:
+    try:
+        raw = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        revision, after, role = raw["r"], raw["a"], raw["role"]
+        if not (isinstance(revision, int) and isinstance(after, str)):
+            raise ValueError
+        if role is not None and not isinstance(role, str):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError):
+        raise InvalidRequest(
+            "The continue token is not one this registry gave: pass the 'continue' of the "
+            "previous page as it was, or list again without it.",
+            fields=[FieldProblem(("continue",), "not a continue token", "value_error")],
+        ) from None
+    return revision, after, role
+
+
+async def read_page(
+    feed: Feed,
+    store: Store,
+    decoded: Decoded,
+    *,
+    limit: int | None,
+    token: str | None,
+    role: str | None,
+    timeout_s: float,
+) -> bytes:
+    """The page as the answer's JSON bytes: ``{"groups": [...], "revision", "continue"}``."""
+    after = ""
+    if token is None:
+        revision = await feed.caught_up(timeout_s)
+    else:
+        revision, after, token_role = decode_token(token)
+        if token_role != role:
+            raise InvalidRequest(
+                "A continue token goes with the filters of its first page: pass the same "
+                f"role ({token_role!r}), or list again.",
+                fields=[FieldProblem(("role",), "differs from the first page's", "value_error")],
+            )
+        if revision > feed.progress:  # a page from a replica ahead of this one
+            await feed.caught_up(timeout_s)
+    if revision < feed.log.oldest:
+        raise RevisionCompacted(
+            f"The list's snapshot (revision {revision}) is older than the history this "
+            f"replica keeps (from revision {feed.log.oldest}): list again from the first page.",
+            oldest_revision=feed.log.oldest,
+        )
+    groups: Mapping[str, Group] = (
+        feed.groups if revision >= feed.progress else feed.log.as_of(revision, feed.groups)
+    )
+    page: list[str] = []
+    more = False
+    for gid in sorted(g for g in groups if g > after):
+        engine_entry = groups[gid].get(_engine_key(gid))
+        if engine_entry is None:
+            continue
+        if role is not None and decoded.record(engine_entry, EngineRecord).role != role:
+            continue
+        if limit is not None and len(page) >= limit:
+            more = True
+            break
+        page.append(gid)
+    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
+    remaining = await store.lease_remaining(leases) if leases else {}
+    now = time.time()
+    parts: list[bytes] = []
+    for gid in page:
+        live = {
+            k: e for k, e in groups[gid].items() if e.lease is None or remaining.get(e.lease, 1) > 0
+        }
+        engine = view(gid, live, revision, decoded, remaining, now)
+        if engine is not None:
+            parts.append(engine.__pydantic_serializer__.to_json(engine))
+    follow = json.dumps(encode_token(revision, page[-1], role)) if more else "null"
+    return b'{"groups":[%s],"revision":%d,"continue":%s}' % (
+        b",".join(parts),
+        revision,
+        follow.encode(),
+    )

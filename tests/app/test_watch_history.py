@@ -1,0 +1,67 @@
+"""The watch log (app/watch/history.py): trimmed by whole revisions, positions that only grow,
+bytes behind a position, and a list page's view of the groups as of an earlier revision."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.store import Entry
+from app.watch.history import EventLog, Group, GroupEvent
+from app.watch.pages import decode_token, encode_token
+
+pytestmark = pytest.mark.unit
+
+
+def event(revision: int, gid: str, before: Group | None = None, size: int = 10) -> GroupEvent:
+    return GroupEvent(revision, gid, "MODIFIED", "prefill", b"x" * size, before)
+
+
+def test_the_log_trims_whole_revisions_and_keeps_positions_growing() -> None:
+    log = EventLog(keep=4)
+    for revision, gid in [(1, "a"), (2, "a"), (3, "a"), (3, "b"), (3, "c"), (4, "a")]:
+        log.append(event(revision, gid))
+    # Past keep + keep // 4 (5) the oldest go, never half a revision: revision 3 stays whole.
+    assert [e.revision for e in log.events] == [3, 3, 3, 4]
+    assert log.oldest == 2
+    assert log.offset == 2
+    assert log.end == 6
+    assert log.at(1) is None  # dropped
+    at = log.at(2)
+    assert at is not None
+    assert at.gid == "a"
+    assert log.after(3) == 5  # the first event after revision 3
+    assert log.after(2) == 2
+
+
+def test_bytes_before_a_position_measure_a_watchers_lag() -> None:
+    log = EventLog(keep=100)
+    for revision in range(1, 6):
+        log.append(event(revision, "g", size=revision))
+    assert log.total == 1 + 2 + 3 + 4 + 5
+    assert log.bytes_before(0) == 0
+    assert log.bytes_before(3) == 1 + 2 + 3
+    assert log.bytes_before(log.end) == log.total
+
+
+def test_as_of_undoes_the_changes_after_a_revision() -> None:
+    old_a = {"groups/a/engine": Entry("groups/a/engine", b"1", 1)}
+    new_a = {"groups/a/engine": Entry("groups/a/engine", b"2", 5)}
+    b = {"groups/b/engine": Entry("groups/b/engine", b"1", 2)}
+    c = {"groups/c/engine": Entry("groups/c/engine", b"1", 6)}
+    log = EventLog(keep=100)
+    log.reset(2)  # the groups were read at revision 2: a (old) and b
+    log.append(event(5, "a", before=old_a))  # a relaunched
+    log.append(event(6, "c", before=None))  # c added
+    log.append(event(7, "b", before=b))  # b deleted
+    now: dict[str, Group] = {"a": new_a, "c": c}
+    assert log.as_of(2, now) == {"a": old_a, "b": b}
+    assert log.as_of(5, now) == {"a": new_a, "b": b}
+    assert log.as_of(7, now) == now
+
+
+def test_continue_tokens_round_trip_and_refuse_what_the_registry_did_not_give() -> None:
+    token = encode_token(41, "prefill-0007", "decode")
+    assert decode_token(token) == (41, "prefill-0007", "decode")
+    for bad in ("", "not-a-token", encode_token(1, "a", None)[:-3] + "!!!"):
+        with pytest.raises(Exception, match="continue token"):
+            decode_token(bad)
