@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             async with tokens.watching():
                 yield
         finally:
-            app.state.watchers.drain()
+            await app.state.watchers.close()
             await feed.close()
             await registry.events.close()
             await owned.close()

@@ -139,6 +139,15 @@ class Watchers:
                 )
             )
 
+    async def close(self) -> None:
+        """At the end of the lifespan (every stream has ended): stop the hub's tasks."""
+        self.drain()
+        for task in (self._monitor, self._broadcaster):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
     def _added(self, stream: WatchStream) -> None:
         self.open.add(stream)
         self.metrics.watchers.set(len(self.open))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import schemathesis
+from pydantic import TypeAdapter, ValidationError
 
 # wait_ready holds an answer up to 60 s; the fuzz run caps valid values so that it stays
 # short (its bound is tested elsewhere). Invalid values pass through unchanged.
@@ -14,6 +15,15 @@ WAIT_CAP_S = 1.0
 @schemathesis.hook
 def before_call(ctx: schemathesis.HookContext, case: Any, kwargs: Any) -> None:
     query = case.query
+    if isinstance(query, dict) and "watch" in query:
+        # GET /tp-groups?watch=true streams until the client leaves (its own tests bound
+        # it): the fuzz run lists instead. Values that are not booleans pass (422).
+        try:
+            watching = TypeAdapter(bool).validate_python(query["watch"])
+        except ValidationError:
+            watching = False
+        if watching:
+            query["watch"] = "false"
     if not isinstance(query, dict) or "wait_ready" not in query:
         return
     try:
