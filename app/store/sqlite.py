@@ -7,15 +7,13 @@ block. A write is decided in memory (compares, leases), applied there, and hande
 file's thread, which commits the changes of every request waiting at that moment in one
 transaction (group commit); the request answers only after its change is in the WAL.
 
-A reader never sees what is not yet durable: reading a key whose latest change is still on
-its way to the file waits for that commit (bounded by the store timeout). When a commit
-fails (a full or read-only disk), the changes after it fail too, the store answers 503
-naming the cause, and the next request reloads memory from the file (the last durable
-state), which recovers once the disk does. A file deleted or replaced under the process is
-detected (before every commit and every sweep) and stops the store for good, loudly.
-
-Leases use this host's wall clock (``time.time``), persisted as instants, so a lease
-outlives a restart of the service with its remaining time intact.
+A reader never sees what is not yet durable: reading a key whose latest change is on its way
+to the file waits for that commit (bounded by the store timeout). A failed commit (full or
+read-only disk) fails the changes after it, the store answers 503 naming the cause, and the
+next request reloads memory from the file, which recovers once the disk does. A file deleted
+or replaced under the process stops the store for good, loudly (checked before every commit
+and sweep). Leases use the wall clock (``time.time``), persisted as instants, so a lease
+outlives a restart with its remaining time intact.
 """
 
 from __future__ import annotations
@@ -142,7 +140,7 @@ class SqliteStore(Store):
             self._install(loaded)
             if recovered:
                 log.warning("SQLite store recovered: reloaded from the file")
-                self._wake_all()
+                self._waiters.wake_all()
         if self._sweeper is None and not self._closed:
             self._sweeper = asyncio.create_task(self._sweep())
 
@@ -252,20 +250,16 @@ class SqliteStore(Store):
                     return TxnResult(False, self._revision)
         self._revision += 1
         change = Change(self._revision, self._next_lease)
-        changed: list[str] = []
         for op in ops:
             if isinstance(op, Put):
-                entry = Entry(op.key, op.value, self._revision, op.lease)
+                change.puts.append(entry := Entry(op.key, op.value, self._revision, op.lease))
                 self._set(entry)
-                change.puts.append(entry)
-                changed.append(op.key)
             else:
-                for key in self._under(op.key) if op.prefix else [op.key]:
-                    if self._remove(key):
-                        change.deletes.append(key)
-                        changed.append(key)
+                keys = self._under(op.key) if op.prefix else [op.key]
+                change.deletes.extend(key for key in keys if self._remove(key))
+        changed = [entry.key for entry in change.puts] + change.deletes
         fut = self._persist(change, changed)
-        self._notify(changed)
+        self._waiters.notify(changed)
         await self._pending.durable(fut)
         return TxnResult(True, change.revision)
 
@@ -284,11 +278,9 @@ class SqliteStore(Store):
         return Lease(lease_id, ttl_s, float(ttl_s))
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
-        """Renew in memory; the new expiry reaches the file with the next commit or sweep,
-        within ``sweep_interval_s`` (as etcd keeps keep-alives in its leader's memory and
-        checkpoints them). After a crash a lease may therefore end up to that much earlier
-        than its last renewal said: its rank's next heartbeat answers 404 and it registers
-        again, as after any expiry."""
+        """Renew in memory; the expiry reaches the file with the next commit or sweep, within
+        ``sweep_interval_s`` (as etcd checkpoints keep-alives). After a crash a lease may end
+        up to that much early: its rank's next heartbeat answers 404 and it registers again."""
         await self._usable()
         lease = self._leases.get(lease_id)
         now = time.time()
@@ -301,22 +293,23 @@ class SqliteStore(Store):
 
     def _checkpoint(self) -> list[tuple[int, int, float]]:
         dirty, self._dirty = self._dirty, set()
-        return [
-            (i, lease.ttl_s, lease.expires_at)
-            for i in dirty
-            if (lease := self._leases.get(i)) is not None
-        ]
+        leases = ((i, self._leases.get(i)) for i in dirty)
+        return [(i, lease.ttl_s, lease.expires_at) for i, lease in leases if lease is not None]
+
+    def _end_leases(self, lease_ids: Iterable[int]) -> list[str]:
+        """Drop the leases and their keys in one change; the keys that went."""
+        self._revision += 1
+        change = Change(self._revision, self._next_lease)
+        keys = [k for lease_id in lease_ids for k in self._drop_lease(lease_id, change)]
+        # Not awaited: readers of these keys wait for the commit themselves.
+        self._persist(change, keys)
+        self._waiters.notify(keys)
+        return keys
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._usable()
-        if lease_id not in self._leases:
-            return
-        self._revision += 1
-        change = Change(self._revision, self._next_lease)
-        keys = self._drop_lease(lease_id, change)
-        # Not awaited: readers of these keys wait for the commit themselves.
-        self._persist(change, keys)
-        self._notify(keys)
+        if lease_id in self._leases:
+            self._end_leases([lease_id])
 
     async def purge_expired(self) -> int:
         """Delete expired leases and their entries now (waking waiters); how many keys went."""
@@ -332,12 +325,7 @@ class SqliteStore(Store):
             if self._dirty:  # write the renewals of the last interval
                 self._persist(Change(self._revision, self._next_lease), ())
             return 0
-        self._revision += 1
-        change = Change(self._revision, self._next_lease)
-        keys = [k for lease_id in expired for k in self._drop_lease(lease_id, change)]
-        self._persist(change, keys)
-        self._notify(keys)
-        return len(keys)
+        return len(self._end_leases(expired))
 
     async def _sweep(self) -> None:
         """Purge expired leases (so waiters wake and the file stays small) and notice a
@@ -354,12 +342,6 @@ class SqliteStore(Store):
                 continue
 
     # -- waiting -----------------------------------------------------------------------------
-
-    def _notify(self, keys: Iterable[str]) -> None:
-        self._waiters.notify(keys)
-
-    def _wake_all(self) -> None:
-        self._waiters.wake_all()
 
     async def wait(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
         await self._usable()
@@ -406,7 +388,7 @@ class SqliteStore(Store):
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        self._wake_all()
+        self._waiters.wake_all()
         self._history.wake()
         await self._thread.stop(self._timeout_s)
 
