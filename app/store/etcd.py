@@ -14,10 +14,9 @@ RPC per call:
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
   every waiter, an answer from another member than a watch's makes its waiters re-read.
 
-Every call has one deadline, ``timeout_s``, shared among the endpoints, the preferred first,
-each with a fair share of the time left, carried by gRPC (it bounds etcd's answer, not the
-turns a saturated process takes to read it); at most ``max_in_flight`` calls are in flight,
-the rest queue within the same deadline (``etcd_cluster``). Whatever goes wrong surfaces as
+Every call has one deadline, ``timeout_s``, shared among the endpoints (the preferred first,
+each a fair share of the time left, carried by gRPC); at most ``max_in_flight`` calls are in
+flight, the rest queue within it (``etcd_cluster``). Whatever goes wrong surfaces as
 :class:`Unavailable`, never as a hang. Keys live under ``/{prefix}/``.
 """
 

@@ -1,14 +1,12 @@
 """Watch streams: ``GET /tp-groups?watch=true``, one JSON object per line.
 
-A watcher is a position in the feed's log (no queue of its own): it writes the events it has
-not sent yet, whole revisions at a time, in chunks, and waits for the feed's next progress.
-What it has not sent is bounded twice: by the log (a watcher the log drops is told
-``revision_compacted``) and by its send budget, the bytes of events that arrived since it
-subscribed and that it has not written (past it: ``slow_consumer``). A consumer that stops
-reading stalls its writes in the transport (uvicorn waits for the socket to drain); the hub
-notices its lag, gives it a second to read what is on its way, then cuts the connection.
-Streams end with a final ``ERROR`` line: ``slow_consumer``, ``revision_compacted`` or
-``shutting_down`` (SIGTERM).
+A watcher is a position in the feed's log (no queue of its own): it writes what it has not
+sent, whole revisions at a time, in chunks, then waits for the feed's next progress. That is
+bounded by the log (a watcher it drops is told ``revision_compacted``) and by its send budget,
+the bytes that arrived since it subscribed and are not written (past it: ``slow_consumer``).
+A consumer that stops reading stalls its writes in the transport; the hub notices its lag,
+gives it a second, then cuts the connection. Streams end with a final ``ERROR`` line:
+``slow_consumer``, ``revision_compacted`` or ``shutting_down`` (SIGTERM).
 """
 
 from __future__ import annotations
@@ -29,17 +27,15 @@ from app.watch.feed import Feed
 MEDIA_TYPE = "application/x-ndjson"
 CHUNK_BYTES = 256 * 1024
 GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
-# After a write, a stream lets changes gather this long before the next one: a lone change
-# goes out at once, a storm's go out as one write per stream per LINGER_S instead of one per
-# change (a write and a wake-up per watcher per change cost the storm a quarter of its rate
-# with 100 watchers).
+# After a write, changes gather this long before the next one: a storm's go out as one write
+# per stream per LINGER_S, not one per change (which cost the storm a quarter of its rate at
+# 100 watchers); a lone change goes out at once.
 LINGER_S = 0.05
 SHARED_EVENTS = 256  # a caught-up watcher's next events come from the hub's shared chunk
 DIRECT_BUFFER = 64 * 1024  # a connection holding more unsent bytes sends on its own
 # scope["extensions"]: the connection's asyncio transport (app/server.py puts it there)
 TRANSPORT = "engine_registry.transport"
-# A watch connection's kernel send buffer: what a consumer that stops reading can hold there
-# (Linux doubles it), instead of the few MB the kernel would let it grow to.
+# A watch connection's kernel send buffer (Linux doubles it), not the few MB it may grow to.
 SNDBUF = 64 * 1024
 
 
