@@ -40,14 +40,9 @@ SNDBUF = 64 * 1024
 
 
 def error_line(revision: int, code: str, status: int, detail: str, **extras: Any) -> bytes:
-    problem = {
-        "type": f"urn:engine-registry:problem:{code}",
-        "title": code.replace("_", " ").capitalize(),
-        "status": status,
-        "detail": detail,
-        "code": code,
-        **extras,
-    }
+    title = code.replace("_", " ").capitalize()
+    problem: dict[str, Any] = {"type": f"urn:engine-registry:problem:{code}", "title": title}
+    problem.update(status=status, detail=detail, code=code, **extras)
     line = {"type": "ERROR", "revision": revision, "object": problem}
     return json.dumps(line, separators=(",", ":")).encode() + b"\n"
 
