@@ -22,8 +22,10 @@ WORKER = "worker-token-at-the-bottom-3f9a"
 FILLER = [f"reader:reader-token-filler-{i:04d}-abcdef" for i in range(400)]
 
 
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[tuple[RegistryProcess, Path]]:
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RegistryProcess, Path]]:
+    """One registry for the module: the FIFO test, last, leaves its tokens file unusable."""
+    tmp_path = tmp_path_factory.mktemp("tokens")
     tokens = tmp_path / "tokens"
     tokens.write_text("\n".join([*FILLER, f"worker:{WORKER}", ""]))
     with RegistryProcess(
