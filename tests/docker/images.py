@@ -241,6 +241,9 @@ class Images:
             DOCKER_BUILDKIT="1" if buildkit else "0",
         )  # fmt: skip
         took = time.monotonic() - started
-        (self.log_dir / f"build-{tag.replace(':', '_').replace('/', '_')}.log").write_text(out)
+        self.build_log(tag).write_text(out)
         self.timings[f"build {tag}"] = took
         return took
+
+    def build_log(self, tag: str) -> Path:
+        return self.log_dir / f"build-{tag.replace(':', '_').replace('/', '_')}.log"

@@ -65,8 +65,11 @@ def built(docker_engine: dockerd.DockerEngine, tmp_path_factory: pytest.TempPath
     bases = images.bases()
     with served_pip_sources(pip_settings()) as pip_args:
         common = {**pip_args, "PYTHON_IMAGE": bases["PYTHON_IMAGE"]}
-        # The service image, with the torch index left at its default: it is never asked.
+        # The service image, with the torch index left at its default (unreachable without
+        # a registry's network): it is never asked, so pip neither waits nor retries.
         images.build(SERVICE, {**common, "EXTRAS": "etcd"})
+        service_log = images.build_log(SERVICE).read_text()
+        assert "download.pytorch.org" not in service_log, service_log[-3000:]
         # The full image: torch from wherever this machine's pip finds it.
         images.build(FULL, {**common, "TORCH_INDEX_URL": ""})
     for image in (*bases.values(), SERVICE, FULL):
