@@ -3,7 +3,9 @@
 A change enters the history once it is durable (its commit settled), in revision order: a
 watcher never sees what a crash could take back. Changes that fail to commit never enter
 it (the store reloads the file, and their revisions are issued again). The history keeps the
-last ``keep`` revisions that changed something; a watch from before them is told
+last ``keep`` revisions that changed something, and at most ``keep_bytes`` of their values
+(a registration's blob is megabytes: the count alone would not bound memory); a watch from
+before them is told
 :class:`Compacted` with the oldest revision it may start after. A restart starts an empty
 history at the file's revision.
 """
@@ -19,12 +21,17 @@ from collections.abc import AsyncIterator, Callable
 from app.store.base import ChangeBatch, Compacted, KeyChange
 from app.store.sqlite_file import Change
 
+KEEP_BYTES = 32 * 1024 * 1024  # the values the history holds, at most
+
 
 class History:
-    def __init__(self, keep: int = 10_000) -> None:
+    def __init__(self, keep: int = 10_000, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep = max(1, keep)
+        self.keep_bytes = keep_bytes
+        self.bytes = 0
         self._revisions: list[int] = []
         self._batches: list[tuple[KeyChange, ...]] = []
+        self._sizes: list[int] = []
         # Changes decided in memory, waiting for their commits (in revision order).
         self._pending: deque[tuple[int, tuple[KeyChange, ...], asyncio.Future[None]]] = deque()
         self.oldest = 0  # a watch may start after this revision
@@ -34,7 +41,8 @@ class History:
 
     def reset(self, revision: int) -> None:
         """The store loaded its file at ``revision``: history starts after it."""
-        self._revisions, self._batches = [], []
+        self._revisions, self._batches, self._sizes = [], [], []
+        self.bytes = 0
         self._pending.clear()
         self.oldest = self.durable = self.recorded = revision
         self._wake()
@@ -58,14 +66,23 @@ class History:
                 continue  # never durable: the store reloads and issues the revision again
             self.durable = max(self.durable, revision)
             if changes:
+                size = sum(len(c.entry.value) for c in changes if c.entry is not None)
                 self._revisions.append(revision)
                 self._batches.append(changes)
+                self._sizes.append(size)
+                self.bytes += size
             moved = True
-        if len(self._revisions) > self.keep:
-            cut = len(self._revisions) - self.keep
+        cut = max(0, len(self._revisions) - self.keep)
+        dropped = sum(self._sizes[:cut])
+        while cut < len(self._revisions) - 1 and self.bytes - dropped > self.keep_bytes:
+            dropped += self._sizes[cut]
+            cut += 1
+        if cut:
             self.oldest = self._revisions[cut - 1]
+            self.bytes -= dropped
             del self._revisions[:cut]
             del self._batches[:cut]
+            del self._sizes[:cut]
         if moved:
             self._wake()
 
