@@ -66,19 +66,16 @@ class KvWatch:
     clock: Callable[[], float] = time.monotonic
     first_seen: dict[str, float] = field(default_factory=dict)
     last_said: dict[str, float] = field(default_factory=dict)
-    last_stage: dict[str, Waiting] = field(default_factory=dict)
 
     def observe(self, waiting: Iterable[Waiting]) -> None:
         now = self.clock()
         current = {w.req_id: w for w in waiting}
         for req_id in [r for r in self.first_seen if r not in current]:
             started = self.first_seen.pop(req_id)
-            self.last_stage.pop(req_id, None)
             if self.last_said.pop(req_id, None) is not None:
                 self.log(f"{MARK} for request {req_id} ended after {now - started:.1f} s")
         for req_id, w in current.items():
             started = self.first_seen.setdefault(req_id, now)
-            self.last_stage[req_id] = w
             waited = now - started
             said = self.last_said.get(req_id)
             if waited >= self.warn_s and (said is None or now - said >= self.every_s):
