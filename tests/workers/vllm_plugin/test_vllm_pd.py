@@ -222,6 +222,11 @@ def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) ->
     assert nixl_transfers(shared.decode.url) == 0
 
 
+def _kv_request(line: str) -> str:
+    """The request id a KV-pull watch line names."""
+    return line.split(" for request ", 1)[1].split(" ", 1)[0]
+
+
 def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
     prefill = _start_prefill(shared, "prefill-registry", plugin=True)
     with shared.client() as client:
@@ -253,10 +258,16 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
         assert again.status_code == 200, (again.text[:1000], shared.decode.tails())
         # The plugin's KV-pull watch read real vLLM's bookkeeping: the first pull waited on
-        # its NIXL handshake, and each pull's end was said.
+        # its NIXL handshake, and that pull was said to end once a later engine step polled.
+        # (A warm pull done by the next step is never said to wait, and the last pull's end
+        # is said only if the engine steps again: neither is asserted.)
         watch = [line for line in shared.decode.log_text().splitlines() if KV_WATCH_MARK in line]
         assert any("handshake pending" in line for line in watch), shared.decode.tails()
-        assert sum(" ended after " in line for line in watch) >= 2, watch
+        waited = [_kv_request(line) for line in watch if " has waited " in line]
+        ended = {_kv_request(line) for line in watch if " ended after " in line}
+        assert waited, watch
+        assert waited[0] in ended, watch
+        assert ended <= set(waited), watch
 
         # Decode side: kv_transfer_params -> the prefill instance, through the registry (a
         # handshake lookup is a worker's call: the reader token may not make it).
