@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from app.api.fastpath import FastPath
-from app.api.routes import engines, health, status_page, tp_groups
+from app.api.routes import engines, health, instances, status_page, tp_groups
 from app.auth import AuthMiddleware
 from app.errors import (
     HttpProblem,
@@ -106,6 +106,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     )
     app.include_router(tp_groups.router)
     app.include_router(engines.router)
+    app.include_router(instances.router)
     app.include_router(health.router)
     app.include_router(status_page.router)
     app.include_router(admin_router)

@@ -8,6 +8,7 @@ import functools
 import ipaddress
 import re
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -22,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.budgets import MAX_TEXT, too_long
+from app.budgets import MAX_TEXT, clip, too_long
 
 GROUP_ID_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
 MAX_TP_SIZE = 65536
@@ -155,7 +156,56 @@ class HandshakeRequest(_Request):
         return self
 
 
+class ServingRequest(_Request):
+    """Where an instance serves, published once its API answers (docs/api.md "Instances")."""
+
+    engine_id: Token
+    url: Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT)]
+    model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    dp_rank: Annotated[StrictInt, Field(ge=0, lt=MAX_TP_SIZE)] | None = None
+    bootstrap: Annotated[str, StringConstraints(min_length=3, max_length=260)] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+            raise ValueError(
+                f"url {clip(value, 64)!r} is not http(s)://host:port (the address a router "
+                "reaches the instance's API at, with its port)"
+            )
+        address = parse_host(parts.hostname)
+        if address is not None and address.is_unspecified:
+            raise ValueError(
+                f"url {clip(value, 64)!r} names an unspecified host: advertise the address a "
+                "router reaches (ENGINE_REGISTRY_ADVERTISE_URL), not the wildcard it binds"
+            )
+        return value.rstrip("/")
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"bootstrap {clip(value, 64)!r} is not host:port")
+        return value
+
+
 # -- answers ---------------------------------------------------------------------------------
+
+
+class Serving(BaseModel):
+    url: str = Field(description="The instance's OpenAI API, as a router reaches it.")
+    model: str
+    dp_rank: int | None = None
+    bootstrap: str | None = Field(None, description="host:port of its side channel (if any).")
+    published_at: str
 
 
 class AgentSummary(BaseModel):
@@ -179,6 +229,9 @@ class Engine(BaseModel):
     missing_ranks: list[int]
     agents: list[AgentSummary] = Field(
         default_factory=list, description="Live agents (no metadata blobs), by rank."
+    )
+    serving: Serving | None = Field(
+        None, description="Where this engine's instance serves, once it published it."
     )
 
 

@@ -7,6 +7,8 @@ Keys in the store (``gid`` a group id, ``eid`` an engine id):
     blobs/{gid}/{rank}            that agent's metadata blob, on the same lease
     launches/{gid}/{launch_id}    {engine_id, generation} of every launch the group has seen
     engines/{eid}                 {group_id, generation}: who was issued this engine_id
+    groups/{gid}/serving          where the current engine's instance serves (no lease: it
+                                  goes with its engine; liveness is the engine's readiness)
 
 Every state change is one store transaction guarded by the engine key's mod_revision, so an
 open, a registration and a deletion racing each other serialize; losers re-read and retry.
@@ -26,10 +28,13 @@ from app.registry.records import (
     EngineRecord,
     IndexRecord,
 )
+from app.registry.serving import ServingMixin
 from app.registry.state import GroupState
 
 
-class Registry(EnginesMixin, BatchesMixin, HandshakesMixin, AgentsMixin, RegistryBase):
+class Registry(
+    EnginesMixin, BatchesMixin, HandshakesMixin, AgentsMixin, ServingMixin, RegistryBase
+):
     """The domain rules over a :class:`app.store.Store` (see the module doc)."""
 
 

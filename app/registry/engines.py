@@ -22,6 +22,7 @@ from app.registry.records import (
     _dump,
     _engine_key,
     _group_prefix,
+    _serving_key,
 )
 from app.registry.state import GroupState
 from app.schemas import (
@@ -86,6 +87,7 @@ class EnginesMixin(RegistryBase):
                     Put(f"engines/{engine.engine_id}", index_json),
                     Delete(_agent_prefix(gid), prefix=True),
                     Delete(f"blobs/{gid}/", prefix=True),
+                    Delete(_serving_key(gid)),  # the old launch's instance serves no more
                 ],
             )
             if result.succeeded:

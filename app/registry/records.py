@@ -43,6 +43,17 @@ class AgentRecord(BaseModel):
     lease: int
 
 
+class ServingRecord(BaseModel):
+    """Where the current engine's instance serves (its OpenAI API), as it published."""
+
+    engine_id: str
+    url: str
+    model: str
+    dp_rank: int | None = None
+    bootstrap: str | None = None
+    published_at: str
+
+
 class IndexRecord(BaseModel):
     group_id: str
     generation: int
@@ -55,6 +66,10 @@ def _engine_key(gid: str) -> str:
 
 def _group_prefix(gid: str) -> str:
     return f"groups/{gid}/"
+
+
+def _serving_key(gid: str) -> str:
+    return f"groups/{gid}/serving"
 
 
 def _agent_prefix(gid: str) -> str:

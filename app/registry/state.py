@@ -9,12 +9,15 @@ from app.registry.records import (
     AgentRecord,
     Decoded,
     EngineRecord,
+    ServingRecord,
     _agent_prefix,
     _engine_key,
+    _serving_key,
 )
 from app.schemas import (
     AgentSummary,
     Engine,
+    Serving,
 )
 from app.store import Snapshot
 from app.timefmt import utc_iso
@@ -30,6 +33,8 @@ class GroupState:
     agent_revisions: dict[int, int]
     expires_at: dict[int, float]
     revision: int
+    serving: ServingRecord | None = None
+    serving_revision: int = 0
 
     @classmethod
     def read(cls, snap: Snapshot, gid: str, decoded: Decoded = _UNCACHED) -> GroupState | None:
@@ -38,12 +43,18 @@ class GroupState:
         agents: dict[int, AgentRecord] = {}
         revisions: dict[int, int] = {}
         expires: dict[int, float] = {}
+        serving: ServingRecord | None = None
+        serving_revision = 0
         now = snap.read_at
         engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
+        serving_key = _serving_key(gid)
         for entry in snap.entries:
             if entry.key == engine_key:
                 engine = decoded.record(entry, EngineRecord)
                 engine_revision = entry.mod_revision
+            elif entry.key == serving_key:
+                serving = decoded.record(entry, ServingRecord)
+                serving_revision = entry.mod_revision
             elif entry.key.startswith(agent_prefix):
                 agent = decoded.record(entry, AgentRecord)
                 agents[agent.rank] = agent
@@ -54,7 +65,12 @@ class GroupState:
             return None
         # Agents of an older engine never outlive its supersession, but be strict anyway.
         live = {r: a for r, a in agents.items() if a.engine_id == engine.engine_id}
-        return cls(engine, engine_revision, live, revisions, expires, snap.revision)
+        if serving is not None and serving.engine_id != engine.engine_id:
+            serving, serving_revision = None, 0  # published by an older launch
+        return cls(
+            engine, engine_revision, live, revisions, expires, snap.revision,
+            serving, serving_revision,
+        )  # fmt: skip
 
     @property
     def missing(self) -> list[int]:
@@ -83,4 +99,14 @@ class GroupState:
                 )
                 for r, a in sorted(self.agents.items())
             ],
+            serving=self.serving_view(),
         )
+
+    def serving_view(self) -> Serving | None:
+        s = self.serving
+        if s is None:
+            return None
+        return Serving.model_construct(
+            url=s.url, model=s.model, dp_rank=s.dp_rank, bootstrap=s.bootstrap,
+            published_at=s.published_at,
+        )  # fmt: skip

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from app.errors import FieldProblem, InvalidRequest, RevisionCompacted
 from app.registry.records import Decoded, EngineRecord, _engine_key
+from app.schemas import Engine
 from app.store import Store
 from app.watch.feed import Feed, view
 from app.watch.history import Group
@@ -45,27 +46,21 @@ def decode_token(token: str) -> tuple[int, str, str | None]:
     return revision, after, role
 
 
-async def read_page(
-    feed: Feed,
-    store: Store,
-    decoded: Decoded,
-    *,
-    limit: int | None,
-    token: str | None,
-    role: str | None,
-    timeout_s: float,
-) -> bytes:
-    """The page as the answer's JSON bytes: ``{"groups": [...], "revision", "continue"}``."""
+async def snapshot(
+    feed: Feed, *, token: str | None, selector: str | None, timeout_s: float
+) -> tuple[int, str, Mapping[str, Group]]:
+    """The groups a page reads: (revision, the last group the previous page sent, groups as
+    of that revision). ``selector``: the filters of the first page, which its token carries."""
     after = ""
     if token is None:
         revision = await feed.caught_up(timeout_s)
     else:
-        revision, after, token_role = decode_token(token)
-        if token_role != role:
+        revision, after, token_selector = decode_token(token)
+        if token_selector != selector:
             raise InvalidRequest(
                 "A continue token goes with the filters of its first page: pass the same "
-                f"role ({token_role!r}), or list again.",
-                fields=[FieldProblem(("role",), "differs from the first page's", "value_error")],
+                f"filters ({token_selector!r}), or list again.",
+                fields=[FieldProblem(("continue",), "differs from the filters", "value_error")],
             )
         if revision > feed.progress:  # a page from a replica ahead of this one
             await feed.caught_up(timeout_s)
@@ -78,6 +73,39 @@ async def read_page(
     groups: Mapping[str, Group] = (
         feed.groups if revision >= feed.progress else feed.log.as_of(revision, feed.groups)
     )
+    return revision, after, groups
+
+
+async def views(
+    store: Store, decoded: Decoded, groups: Mapping[str, Group], page: list[str], revision: int
+) -> list[Engine]:
+    """The page's groups as the API shows them, with their leases' time left as of now."""
+    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
+    remaining = await store.lease_remaining(leases) if leases else {}
+    now = time.time()
+    out: list[Engine] = []
+    for gid in page:
+        live = {
+            k: e for k, e in groups[gid].items() if e.lease is None or remaining.get(e.lease, 1) > 0
+        }
+        engine = view(gid, live, revision, decoded, remaining, now)
+        if engine is not None:
+            out.append(engine)
+    return out
+
+
+async def read_page(
+    feed: Feed,
+    store: Store,
+    decoded: Decoded,
+    *,
+    limit: int | None,
+    token: str | None,
+    role: str | None,
+    timeout_s: float,
+) -> bytes:
+    """The page as the answer's JSON bytes: ``{"groups": [...], "revision", "continue"}``."""
+    revision, after, groups = await snapshot(feed, token=token, selector=role, timeout_s=timeout_s)
     page: list[str] = []
     more = False
     for gid in sorted(g for g in groups if g > after):
@@ -90,17 +118,10 @@ async def read_page(
             more = True
             break
         page.append(gid)
-    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
-    remaining = await store.lease_remaining(leases) if leases else {}
-    now = time.time()
-    parts: list[bytes] = []
-    for gid in page:
-        live = {
-            k: e for k, e in groups[gid].items() if e.lease is None or remaining.get(e.lease, 1) > 0
-        }
-        engine = view(gid, live, revision, decoded, remaining, now)
-        if engine is not None:
-            parts.append(engine.__pydantic_serializer__.to_json(engine))
+    parts = [
+        e.__pydantic_serializer__.to_json(e)
+        for e in await views(store, decoded, groups, page, revision)
+    ]
     follow = json.dumps(encode_token(revision, page[-1], role)) if more else "null"
     return b'{"groups":[%s],"revision":%d,"continue":%s}' % (
         b",".join(parts),

@@ -21,6 +21,7 @@ from app.schemas import (
     RegisterAgentRequest,
     RegisterAgentsRequest,
     Role,
+    ServingRequest,
 )
 from app.watch.pages import read_page
 from app.watch.stream import Watchers
@@ -170,4 +171,31 @@ async def deregister_agent(
 ) -> Response:
     refuse_oversized_body(request)
     await registry.deregister(group_id, rank, engine_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put(
+    "/{group_id}/engine/serving",
+    response_model=Engine,
+    summary="Publish where the current engine's instance serves (its API URL), for routers",
+)
+async def publish_serving(
+    group_id: GroupIdPath, body: ServingRequest, registry: RegistryDep
+) -> Response:
+    return answer(await registry.publish_serving(group_id, body))
+
+
+@router.delete(
+    "/{group_id}/engine/serving",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Withdraw where the instance serves (it stops serving)",
+)
+async def withdraw_serving(
+    group_id: GroupIdPath,
+    registry: RegistryDep,
+    engine_id: Annotated[str, Query(min_length=1, max_length=128)],
+    request: Request,
+) -> Response:
+    refuse_oversized_body(request)
+    await registry.withdraw_serving(group_id, engine_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
