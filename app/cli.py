@@ -356,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_flags(probe)
     probe.set_defaults(func=_probe)
 
+    from app.cli_router_sync import add_command as add_router_sync
+
+    add_router_sync(sub, add_tls_flags)
+
     demo = sub.add_parser(
         "demo",
         help="prefill/decode demo on this machine (needs the workers extra)",

@@ -1,0 +1,161 @@
+"""`engine-registry router-sync` feeding a real vllm-router (0.1.17, PD mode, no prefill or
+decode URL on its command line) from a real registry. The instances behind the router are
+stand-ins (tests/support/pd_stand_in.py: HTTP servers answering as vLLM's OpenAI server
+does in PD); real vLLM instances behind the same router run in the vLLM tier."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.app.conftest import READER, WORKER, tokens_file
+from tests.support.pd_stand_in import StandIn, StandIns
+from tests.support.server import RegistryProcess
+from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
+
+pytestmark = [pytest.mark.api, pytest.mark.timeout(240)]
+COMPAT = {"model": "tiny", "block_size": 16, "dtype": "bfloat16"}
+EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
+
+
+def wait_for(check: Callable[[], bool], within_s: float, what: str) -> float:
+    """Seconds until ``check()`` held; fails naming ``what`` past ``within_s``."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < within_s, f"{what}: not within {within_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+class Fleet:
+    """Groups in the registry, each with one rank, published at a stand-in's URL."""
+
+    def __init__(self, registry: RegistryProcess, stand_ins: StandIns) -> None:
+        self.http = httpx.Client(
+            base_url=registry.url, headers={"Authorization": f"Bearer {WORKER}"}, timeout=10
+        )
+        self.stand_ins = stand_ins
+
+    def launch(self, gid: str, kind: str, *, ttl_s: int = 600, **compat: Any) -> StandIn:
+        body = {"launch_id": uuid.uuid4().hex, "tp_size": 1, "role": kind,
+                "compat": {**COMPAT, **compat}}  # fmt: skip
+        engine = self.http.put(f"/tp-groups/{gid}/engine", json=body).json()
+        instance = self.stand_ins.add(f"{gid}-g{engine['generation']}", kind, engine["engine_id"])
+        self.register(gid, engine["engine_id"], ttl_s)
+        published = self.http.put(
+            f"/tp-groups/{gid}/engine/serving",
+            json={"engine_id": engine["engine_id"], "url": instance.url, "model": "tiny"},
+        )
+        assert published.status_code == 200, published.text
+        return instance
+
+    def register(self, gid: str, engine_id: str, ttl_s: int) -> None:
+        agent = {"engine_id": engine_id, "agent_name": f"{engine_id}-0", "host": "127.0.0.1",
+                 "agent_metadata": base64.b64encode(b"md").decode(), "ttl_s": ttl_s,
+                 "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096],
+                        "num_blocks": 8, "block_len": 64}}  # fmt: skip
+        answer = self.http.put(f"/tp-groups/{gid}/engine/agents/0", json=agent)
+        assert answer.status_code in (200, 201), answer.text
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("router-sync")
+
+
+@pytest.fixture(scope="module")
+def registry(workdir: Path) -> Iterator[RegistryProcess]:
+    tokens = tokens_file(workdir, f"worker:{WORKER}", f"reader:{READER}")
+    with RegistryProcess(
+        f"sqlite:///{workdir / 'registry.db'}",
+        args=["--tokens-file", str(tokens)],
+        log_path=workdir / "registry.log",
+    ) as proc:
+        yield proc
+
+
+def complete(router: VllmRouterProcess) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+
+
+def test_a_vllm_router_fed_only_by_router_sync_follows_the_registry(
+    workdir: Path, registry: RegistryProcess
+) -> None:
+    stand_ins = StandIns()
+    fleet = Fleet(registry, stand_ins)
+    router = VllmRouterProcess(workdir).start()
+    sync = RouterSyncProcess(workdir, registry.url, [router.discovery], token=READER)
+    try:
+        p1 = fleet.launch("prefill-a", "prefill")
+        d1 = fleet.launch("decode-a", "decode")
+        bad = fleet.launch("prefill-b", "prefill", block_size=32)  # never to be offered
+        sync.start()
+
+        # PD through the router: prefill first (max_tokens 1, do_remote_decode), then decode
+        # with what prefill answered.
+        wait_for(lambda: complete(router).status_code == 200, 15, "router serves PD")
+        answer = complete(router)
+        assert answer.json()["choices"][0]["text"] == f"{d1.name} decoded from {p1.engine_id}"
+        assert p1.completions[-1]["max_tokens"] == 1
+        assert p1.completions[-1]["kv_transfer_params"]["do_remote_decode"] is True
+        assert "not offering prefill-b: incompatible: block_size 32 vs 16" in sync.log_text()
+        assert not bad.completions
+        assert f"HTTP:127.0.0.1:{bad.port}" not in router.log_text()
+
+        # The prefill group is relaunched on another port: the router moves to it, and once
+        # its expiry has passed it never again sends to the superseded one.
+        p2 = fleet.launch("prefill-a", "prefill")
+        superseded_at = time.monotonic()
+
+        def moved_on() -> bool:
+            return complete(router).status_code == 200 and p2.since(superseded_at) > 0
+
+        moved = wait_for(moved_on, 15, "router sends to the relaunched prefill")
+        print(f"router used the relaunched prefill after {moved:.1f} s")
+        time.sleep(max(0.0, superseded_at + EXPIRY_S + 1 - time.monotonic()))
+        cut = time.monotonic()
+        for _ in range(6):
+            assert complete(router).status_code == 200
+        assert p1.since(cut) == 0
+        assert p2.since(cut) == 6
+        assert "withdraw prefill prefill-a (generation 1" in sync.log_text()
+
+        # A router restarted on the same addresses has the instances again within a round.
+        router.stop()
+        router.start()
+        wait_for(lambda: complete(router).status_code == 200, 10, "restarted router serves")
+
+        # The registry goes away: the router keeps being told the last list, past its expiry.
+        registry.stop()
+        time.sleep(EXPIRY_S + 2)
+        assert complete(router).status_code == 200
+        registry.start()
+
+        # A decode instance whose rank stops renewing its lease: once the lease lapses the
+        # router is told no more, and forgets it after its expiry.
+        d2 = fleet.launch("decode-a", "decode", ttl_s=5)
+        wait_for(lambda: "offer decode decode-a (generation 2" in sync.log_text(), 10, "d2")
+        stopped = time.monotonic()
+        gone = wait_for(lambda: complete(router).status_code != 200, 5 + EXPIRY_S + 10,
+                        "the router stops using the decode whose lease lapsed")  # fmt: skip
+        print(f"decode left the router {gone:.1f} s after its last renewal (ttl 5 s)")
+        assert "withdraw decode decode-a (generation 2" in sync.log_text()
+        assert "not ready" in sync.log_text()
+        assert d2.since(stopped + 5 + EXPIRY_S + 1) == 0
+        # With no decode left, no prefill is offered: the incompatible one least of all.
+        assert f"HTTP:127.0.0.1:{bad.port}" not in router.log_text()
+        assert "withdraw prefill prefill-a (generation 2" in sync.log_text()
+        assert "no decode instance to pair with" in sync.log_text()
+    finally:
+        sync.stop()
+        router.stop()
+        stand_ins.close()
+        fleet.http.close()

@@ -1,0 +1,129 @@
+"""A real vllm-router (PD mode, fed only through its discovery address) and an ``engine-registry
+router-sync`` feeding it, as processes: for the tests, the vLLM tier and the launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+
+from workers.tools.procs import ROOT, free_port, log_tail
+
+
+def vllm_router_binary() -> str:
+    """The ``vllm-router`` beside this interpreter (the dev extra installs it), else on PATH."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    found = str(beside) if beside.exists() else shutil.which("vllm-router")
+    if found is None:
+        raise FileNotFoundError(
+            "vllm-router is not installed: `pip install vllm-router==0.1.17` (the dev extra "
+            "has it; `make dev` installs it)"
+        )
+    return found
+
+
+class _Process:
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: BinaryIO | None = None
+
+    def _spawn(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            list(cmd), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )  # fmt: skip
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class VllmRouterProcess(_Process):
+    """``vllm-router --vllm-pd-disaggregation --kv-connector nixl --vllm-discovery-address``:
+    no prefill or decode URL on its command line."""
+
+    def __init__(self, workdir: Path, *, port: int | None = None, discovery: int | None = None):
+        super().__init__("vllm-router", workdir / "vllm-router.log")
+        self.port = port or free_port()
+        self.discovery_port = discovery or free_port()
+        self.metrics_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def discovery(self) -> str:
+        return f"127.0.0.1:{self.discovery_port}"
+
+    def start(self, timeout_s: float = 30.0) -> VllmRouterProcess:
+        self._spawn([
+            vllm_router_binary(), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+            "--vllm-discovery-address", self.discovery, "--host", "127.0.0.1",
+            "--port", str(self.port), "--policy", "round_robin", "--log-level", "info",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+        ])  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                self.stop()
+                raise RuntimeError(f"vllm-router exited: {log_tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/liveness", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"vllm-router did not serve within {timeout_s} s")
+
+
+class RouterSyncProcess(_Process):
+    """``engine-registry router-sync`` (``python -m app router-sync``) feeding routers."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        registry_url: str,
+        routers: Sequence[str],
+        *,
+        token: str | None = None,
+        interval_s: float = 0.5,
+        python: str | None = None,
+    ) -> None:
+        super().__init__("router-sync", workdir / "router-sync.log")
+        self.cmd = [
+            python or sys.executable, "-m", "app", "router-sync", "--url", registry_url,
+            "--interval", str(interval_s),
+            *[arg for address in routers for arg in ("--vllm-router", address)],
+        ]  # fmt: skip
+        self.token = token
+
+    def start(self) -> RouterSyncProcess:
+        self._spawn(self.cmd, {"REGISTRY_TOKEN": self.token} if self.token else None)
+        return self
