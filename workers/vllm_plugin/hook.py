@@ -14,6 +14,7 @@ its KV caches) and `workers.vllm_plugin.scheduler_side` (adopt the workers' engi
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from typing import Any
 
@@ -66,6 +67,9 @@ def install() -> None:
     settings = PluginSettings.from_env()
     if first:
         check_token(settings)
+        from workers.vllm_plugin import serving
+
+        serving.start(settings, sys.argv)
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from tests.workers.vllm_plugin.conftest import FIGURES, MACHINE
+from tests.workers.vllm_plugin.routing import Routing, serving
 from workers.client import RegistryClient
 from workers.errors import EngineSuperseded
 from workers.tools import cpu_amx
@@ -47,6 +48,14 @@ class _Shared:
     registry: Registry
     decode_process: Instance | None = None
     prefill: Instance | None = None
+    routing_process: Routing | None = None
+
+    def routing(self) -> Routing:
+        """vllm-router and router-sync, started once, kept across the tests."""
+        if self.routing_process is None:
+            reader = self.registry.tokens.reader
+            self.routing_process = Routing.start(self.workdir, self.registry.url, reader)
+        return self.routing_process
 
     @property
     def decode(self) -> Instance:
@@ -111,6 +120,8 @@ def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator
             state.prefill.stop()
         if state.decode_process is not None:
             state.decode_process.stop()
+        if state.routing_process is not None:
+            state.routing_process.stop()
 
 
 @pytest.fixture
@@ -285,6 +296,17 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         assert decode.ready
         assert decode.role == "decode"
         _report_the_cpu_path(shared, engine.compat, decode.compat)
+
+        # Routers: both instances published where they serve, and a real vllm-router whose
+        # command line names no instance, fed only by router-sync, serves PD through them.
+        assert serving(client, "prefill-0", prefill.url).raw["serving"]["model"]
+        serving(client, "decode-0", shared.decode.url)
+        routing = shared.routing()
+        via, FIGURES["PD through vllm-router: first answer after"] = routing.answer(
+            shared.body(), 60
+        )
+        assert via.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+        routing.said(f"Add Prefill [HTTP:127.0.0.1:{prefill.port}", 5)
     assert split_dp_suffix(f"{engine.engine_id}_dp3") == (engine.engine_id, 3)
 
 
@@ -343,5 +365,24 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert params["remote_engine_id"] == new.engine_id
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+
+        # The router follows the relaunch on another port without a restart, and dropped the
+        # old prefill: router-sync withdrew it, vllm-router let it expire.
+        routing = shared.routing()
+        serving(client, "prefill-0", prefill.url)
+        via, FIGURES["PD through vllm-router after the relaunch"] = routing.answer(
+            shared.body(), 30
+        )
+        assert via.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+        routing.said(f"offer prefill prefill-0 (generation {new.generation}", 5)
+        routing.said(f"withdraw prefill prefill-0 (generation {old.generation}", 5)
+        # A decode that stops leaves the router once the registry no longer has it ready.
+        decode_port = shared.decode.port
+        shared.decode.stop()
+        shared.decode_process = None
+        FIGURES["stopped decode withdrawn from vllm-router after"] = routing.said(
+            "withdraw decode decode-0", 45
+        )
+        routing.said(f"Remove Decode [HTTP:127.0.0.1:{decode_port}", 10)
     shared.prefill.stop()
     shared.prefill = None

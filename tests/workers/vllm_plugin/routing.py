@@ -1,0 +1,84 @@
+"""The vLLM tier's router: a real vllm-router (no prefill or decode URL on its command line)
+fed only by `engine-registry router-sync` from the tier's registry (a reader token)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from workers.client import RegistryClient
+from workers.models import Engine
+from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
+from workers.tools.vllm_pd import complete
+
+
+def within(check: Callable[[], Any], limit_s: float, what: str, on_fail: Callable[[], str]) -> Any:
+    """``check()``'s first truthy result, polled; fails naming ``what`` after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"{what}: not within {limit_s} s\n{on_fail()}"
+        time.sleep(0.5)
+
+
+@dataclass
+class Routing:
+    router: VllmRouterProcess
+    sync: RouterSyncProcess
+
+    @classmethod
+    def start(cls, workdir: Path, registry_url: str, reader_token: str) -> Routing:
+        router = VllmRouterProcess(workdir).start()
+        sync = RouterSyncProcess(workdir, registry_url, [router.discovery], token=reader_token)
+        return cls(router, sync.start())
+
+    def stop(self) -> None:
+        self.sync.stop()
+        self.router.stop()
+
+    def tails(self) -> str:
+        return (
+            f"router-sync:\n{self.sync.log_text()[-3000:]}\n"
+            f"vllm-router:\n{self.router.log_text()[-3000:]}"
+        )
+
+    def answer(self, body: dict[str, Any], limit_s: float) -> tuple[httpx.Response, float]:
+        """The first 200 the router gives for ``body`` (it answers 503 until it has a prefill
+        and a decode instance), and the seconds it took."""
+        t0 = time.monotonic()
+
+        def ok() -> httpx.Response | None:
+            try:
+                got = complete(self.router.url, body, timeout_s=60.0)
+            except httpx.HTTPError:
+                return None
+            return got if got.status_code == 200 else None
+
+        got = within(ok, limit_s, "a PD answer through vllm-router", self.tails)
+        return got, time.monotonic() - t0
+
+    def said(self, text: str, limit_s: float) -> float:
+        """Seconds until router-sync's or vllm-router's log says ``text``."""
+        t0 = time.monotonic()
+        within(lambda: text in self.sync.log_text() + self.router.log_text(), limit_s,
+               f"the routers' logs say {text!r}", self.tails)  # fmt: skip
+        return time.monotonic() - t0
+
+
+def serving(client: RegistryClient, group: str, url: str, limit_s: float = 60.0) -> Engine:
+    """The group's engine once it published that it serves at ``url``."""
+
+    def published() -> Engine | None:
+        engine = client.get_engine(group)
+        return engine if (engine.raw.get("serving") or {}).get("url") == url else None
+
+    found: Engine = within(published, limit_s, f"{group} published {url}",
+                           lambda: str(client.get_engine(group).raw))  # fmt: skip
+    return found

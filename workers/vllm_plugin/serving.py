@@ -1,0 +1,148 @@
+"""The instance says where it serves, for routers: its API server publishes its URL.
+
+In the launch's first process (the API server; never on a headless node), a thread waits
+until the OpenAI API answers ``/health`` on this host, reads the served model from
+``/v1/models``, and publishes (``PUT /tp-groups/{group}/engine/serving``) the URL a router
+reaches, the model, the data-parallel rank and the NIXL side channel, for the engine of this
+launch only (its ``launch_id``). The URL is ``ENGINE_REGISTRY_ADVERTISE_URL`` when set (NAT, a
+Kubernetes Service), else ``http://{--host}:{--port}`` of the vLLM command line (port 8000
+by default) with a wildcard or absent host replaced by the address that routes to the
+registry. It is withdrawn when the process exits, and goes with the engine when the group is
+relaunched; a router stops using the instance once its ranks' leases lapse (not ready).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from workers.errors import NotFound, RegistryError
+from workers.vllm_plugin import common
+from workers.vllm_plugin.common import log
+from workers.vllm_plugin.settings import PluginSettings
+
+WAIT_S = 3600.0  # a vLLM start (model load, compile) may take this long; then it gives up
+MAX_DP = 64
+
+
+def _flag(argv: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def serving_urls(settings: PluginSettings, argv: Sequence[str]) -> tuple[str, str]:
+    """(the URL routers are told, the URL this process polls its own API at)."""
+    host = _flag(argv, "--host") or ""
+    port = int(_flag(argv, "--port") or 8000)
+    wildcard = _wildcard(host)
+    local = f"http://{'127.0.0.1' if wildcard else host}:{port}"
+    if settings.advertise_url:
+        return settings.advertise_url.rstrip("/"), local
+    if wildcard:
+        from workers.endpoint import advertise_host
+
+        host = advertise_host(settings.urls.split(",")[0])
+    return f"http://{host}:{port}", local
+
+
+def _wildcard(host: str) -> bool:
+    """No host, or one that binds every address (0.0.0.0, ::): not one to advertise."""
+    if not host:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False  # a DNS name
+
+
+def _served_model(http: httpx.Client, local: str, stop_at: float) -> str | None:
+    """Once ``local`` answers /health: the first model /v1/models lists."""
+    while time.monotonic() < stop_at:
+        try:
+            if http.get(f"{local}/health").status_code == 200:
+                models = http.get(f"{local}/v1/models").json().get("data") or []
+                return str(models[0]["id"]) if models else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(1.0)
+    return None
+
+
+def _groups(client: Any, settings: PluginSettings) -> list[tuple[str, int | None, Any]]:
+    """(group, DP rank, engine) of this launch: the group, or its "-dp{r}" groups."""
+    try:
+        return [(settings.group, None, client.get_engine(settings.group))]
+    except NotFound:
+        pass
+    found: list[tuple[str, int | None, Any]] = []
+    for rank in range(MAX_DP):
+        try:
+            found.append((f"{settings.group}-dp{rank}", rank, client.get_engine(
+                f"{settings.group}-dp{rank}")))  # fmt: skip
+        except NotFound:
+            break
+    return found
+
+
+def publish_when_serving(settings: PluginSettings, argv: Sequence[str]) -> None:
+    """The thread's body: wait for the API, then publish; every failure is logged, none
+    stops vLLM (an instance that did not publish is simply not offered to routers)."""
+    from workers.vllm_plugin.worker_side import side_channel
+
+    url, local = serving_urls(settings, argv)
+    with httpx.Client(timeout=5.0) as http:
+        model = _served_model(http, local, time.monotonic() + WAIT_S)
+    if model is None:
+        log.warning("engine-registry: %s never served a model: not published for routers", local)
+        return
+    host, port = side_channel()
+    published: list[tuple[str, str]] = []
+    try:
+        with common.client(settings) as client:
+            for group, dp_rank, engine in _groups(client, settings):
+                if engine.launch_id != settings.launch_id:
+                    log.warning("engine-registry: group %s's engine is another launch's "
+                                "(%s): not published", group, engine.launch_id)  # fmt: skip
+                    continue
+                body = {"engine_id": engine.engine_id, "url": url, "model": model,
+                        "dp_rank": dp_rank, "bootstrap": f"{host}:{port}"}  # fmt: skip
+                client.request("PUT", f"/tp-groups/{group}/engine/serving", json=body)
+                published.append((group, engine.engine_id))
+                log.info("engine-registry: published that group %s (engine %s) serves %s at "
+                         "%s", group, engine.engine_id, model, url)  # fmt: skip
+    except RegistryError as exc:
+        log.warning("engine-registry: could not publish where this instance serves: %s", exc)
+    if published:
+        atexit.register(_withdraw, settings, published)
+
+
+def _withdraw(settings: PluginSettings, published: list[tuple[str, str]]) -> None:
+    try:
+        with common.client(settings, timeout_s=2.0) as client:
+            for group, engine_id in published:
+                client.request("DELETE", f"/tp-groups/{group}/engine/serving",
+                               params={"engine_id": engine_id})  # fmt: skip
+    except RegistryError:
+        pass  # its engine goes with the next launch, and its leases lapse
+
+
+def start(settings: PluginSettings, argv: Sequence[str]) -> threading.Thread | None:
+    """Publish from this process once it serves (not on a headless node)."""
+    if "--headless" in argv:
+        return None
+    thread = threading.Thread(
+        target=publish_when_serving, args=(settings, list(argv)), name="engine-registry-serving",
+        daemon=True,
+    )  # fmt: skip
+    thread.start()
+    return thread
