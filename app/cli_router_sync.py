@@ -8,12 +8,13 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
-
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 def add_command(sub: Any, add_tls_flags: Any) -> None:
+    from app.cli import DEFAULT_URL
+
     cmd = sub.add_parser(
         "router-sync",
         help="keep running routers (vllm-router) in step with the registry's instances",
@@ -39,6 +40,12 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
                      "(default: the oldest decode instance's)")  # fmt: skip
     cmd.add_argument(
         "--interval", type=float, default=1.0, help="seconds between announcements (< 5)"
+    )
+    cmd.add_argument(
+        "--alive-file",
+        type=Path,
+        help="touch this file after each round once synced (a liveness/readiness probe reads "
+        "its age)",
     )
     add_tls_flags(cmd)
     cmd.set_defaults(func=command)

@@ -23,6 +23,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -239,8 +240,10 @@ def run(
     model: str | None,
     interval_s: float,
     stop: threading.Event,
+    alive_file: Path | None = None,
 ) -> int:
-    """Follow the registry and feed the routers until ``stop``; 0 then."""
+    """Follow the registry and feed the routers until ``stop``; 0 then. ``alive_file``:
+    touched after each round once synced with the registry (an exec probe reads its age)."""
     import zmq
 
     context = zmq.Context()
@@ -259,6 +262,8 @@ def run(
         while not stop.is_set():
             if groups.synced.is_set():
                 announcer.round(groups.snapshot())
+                if alive_file is not None:
+                    alive_file.touch()
             stop.wait(interval_s)
     finally:
         for router in routers:

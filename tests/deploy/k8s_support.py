@@ -85,6 +85,7 @@ def write_tokens(directory: Path, tokens: Mapping[str, str]) -> None:
     secrets = directory / "base" / "secrets"
     (secrets / "tokens").write_text("".join(f"{role}:{tok}\n" for role, tok in tokens.items()))
     (secrets / "worker-token.env").write_text(f"token={tokens['worker']}\n")
+    (secrets / "reader-token.env").write_text(f"token={tokens['reader']}\n")
 
 
 def write_tls(directory: Path) -> None:
@@ -106,7 +107,7 @@ def render(overlay: str, tmp: Path, tokens: Mapping[str, str]) -> list[dict[str,
     assert KUBECTL is not None
     tree = tmp / f"k8s-{overlay}"
     if not tree.exists():
-        shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("tokens", "worker-token.env"))
+        shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("tokens", "*-token.env"))
         write_tokens(tree, tokens)
         write_tls(tree)
     run = subprocess.run(

@@ -15,7 +15,9 @@ factory; `worker_side` and `scheduler_side` are the two halves, as in vLLM's NIX
 - the engine core's scheduler-side connector adopts the same id (same launch_id, so the
   registry answers the same engine), so the `remote_engine_id` it hands out is the registry's;
 - after the KV caches are registered, each rank registers its NIXL agent (name, metadata, KV
-  layout, side channel) with a lease, renews it, and deregisters on shutdown.
+  layout, side channel) with a lease, renews it, and deregisters on shutdown;
+- the API server, once it answers, publishes where the instance serves, for routers
+  (`workers.vllm_plugin.serving`).
 
 Environment (`workers.vllm_plugin.settings.PluginSettings`; a bad value stops the start
 naming the variable, the value and the form expected):
@@ -33,6 +35,8 @@ naming the variable, the value and the form expected):
     ENGINE_REGISTRY_TIMEOUT_S  deadline of each registry call at start (default 30)
     ENGINE_REGISTRY_REFUSE_EXIT_S  a worker that refused its identity exits this many seconds
                              after raising (default 10), so headless nodes stop too
+    ENGINE_REGISTRY_ADVERTISE_URL  the URL routers reach this instance's API at (default:
+                             http://{--host}:{--port}); published once the API answers
     ENGINE_REGISTRY_LAUNCH_ID  made up by the first process of a launch when unset, inherited
                              by its engine core and workers; set it only to a value that changes
                              exactly when the group is relaunched (a leader pod's UID)
