@@ -38,11 +38,12 @@ export PIP_NO_WARN_SCRIPT_LOCATION=1
 # `libtorchcodec_image.so`); vLLM's text models do not need them.
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # This project, editable, for its vllm.general_plugins entry point and workers/ code; its
-# service dependencies (the launcher runs the registry from this environment too).
+# service dependencies (the launcher runs the registry, router-sync and vllm-router from this
+# environment too).
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 "${PIP[@]}" install -q "fastapi>=0.115" "uvicorn[standard]>=0.30" "pydantic>=2.7" \
     "pydantic-settings>=2.3" "httpx>=0.27" "prometheus-client>=0.20" \
-    "pytest>=8" "pytest-timeout>=2.3"
+    "pytest>=8" "pytest-timeout>=2.3" "pyzmq>=26" "msgpack>=1.0" "vllm-router==0.1.17"
 # vLLM finds general plugins by entry point (group vllm.general_plugins). Until pyproject.toml
 # declares ours, a metadata-only distribution declares it (no code: it names
 # workers.vllm_plugin:register, which the editable install above provides).

@@ -6,9 +6,12 @@ Starts, in `.venv-vllm` (scripts/setup-vllm.sh):
 1. a registry (`python -m app serve`, SQLite in a temporary directory);
 2. a prefill instance over two headless-style nodes (`-tp 2 --nnodes 2`, node 1 `--headless`);
 3. a decode instance (TP 1);
-4. a small proxy (as vLLM's `toy_proxy_server.py`): each `/v1/completions` request goes to
-   prefill with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then to
-   decode with the `kv_transfer_params` prefill answered, so decode pulls the KV over NIXL;
+4. a router on `--proxy-port`: a real vllm-router (PD mode) that learns both instances from
+   the registry through `engine-registry router-sync` (no instance URL on its command line),
+   when vllm-router is installed and the registry is on; else a small proxy given the two URLs
+   (as vLLM's `toy_proxy_server.py`). Either sends each `/v1/completions` request to prefill
+   with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode: true}`, then to decode with
+   the `kv_transfer_params` prefill answered, so decode pulls the KV over NIXL;
 
 with the tiny Llama built offline (`workers.tools.vllm_model`), NixlConnector with its KV buffer in
 DRAM, and the engine-registry vLLM plugin active on every instance (`--no-registry` leaves it
@@ -39,6 +42,7 @@ from typing import Any
 import httpx
 
 from workers.tools.procs import ROOT, Proc, free_port
+from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 from workers.tools.vllm_pd import Proxy, nixl_transfers
 from workers.tools.vllm_procs import (
     KV_TRANSFER_CONFIG,
@@ -197,6 +201,46 @@ def show_registry(registry: Registry) -> None:
         )
 
 
+class _Front:
+    """vllm-router fed by router-sync, as one thing to stop."""
+
+    def __init__(self, router: VllmRouterProcess, sync: RouterSyncProcess) -> None:
+        self.router, self.sync, self.url = router, sync, router.url
+
+    def stop(self) -> None:
+        self.sync.stop()
+        self.router.stop()
+
+
+def front(
+    registry: Registry | None, prefill: Instance, decode: Instance, port: int, workdir: Path
+) -> _Front | Proxy:
+    """With a registry and vllm-router installed, a real vllm-router that learns both
+    instances from the registry (router-sync); else the small proxy given their URLs."""
+    if registry is not None:
+        try:
+            router = VllmRouterProcess(workdir, port=port).start()
+        except FileNotFoundError as exc:
+            say(f"{exc}: using the small proxy instead")
+        else:
+            sync = RouterSyncProcess(
+                workdir, registry.url, [router.discovery], token=registry.tokens.reader
+            ).start()
+            say("vllm-router fed by engine-registry router-sync (no instance URL given to it)")
+            return _Front(router, sync)
+    return Proxy(prefill.url, decode.url, port, decode_logs=decode.log_text).start()
+
+
+def first_answer(url: str, body: dict[str, Any], limit_s: float = 60.0) -> httpx.Response:
+    """The first answer that is not 503 (a router answers 503 until it knows its instances)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
+        if answer.status_code != 503 or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.5)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m workers.tools.vllm_launch",
@@ -250,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("prefill (TP 2 over two nodes) and decode (TP 1) starting...")
         say(f"prefill healthy after {prefill.wait_healthy(args.timeout):.1f} s: {prefill.url}")
         say(f"decode healthy after {decode.wait_healthy(args.timeout):.1f} s: {decode.url}")
-        proxy = Proxy(prefill.url, decode.url, args.proxy_port, decode_logs=decode.log_text).start()
+        proxy = front(registry, prefill, decode, args.proxy_port, workdir)
         started.append(proxy)
         say(f"proxy {proxy.url}/v1/completions")
         body = {
@@ -260,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "temperature": 0,
         }
         t1 = time.monotonic()
-        answer = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120.0)
+        answer = first_answer(proxy.url, body)
         say(f"PD request: {answer.status_code} in {time.monotonic() - t1:.2f} s")
         if answer.status_code != 200:
             say(answer.text[-6000:])
