@@ -22,7 +22,7 @@ from workers.errors import EngineIdentityError, RegistryError
 from workers.identity import sync_engine_id
 from workers.models import AgentItem, EngineIdentity, KvSpec
 from workers.publication import Publication
-from workers.vllm_plugin import common, kv_watch
+from workers.vllm_plugin import common, kv_watch, stale
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import compat_of
 from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
@@ -243,5 +243,6 @@ def attach_publication(connector: Any, config: Any) -> None:
     settings = _state.settings
     if settings is not None:
         kv_watch.attach(connector, kv_watch.KvWatch(warn_s=settings.kv_wait_warn_s))
+        stale.guard(getattr(connector, "connector_worker", None), settings)
     if shutdown is not None:
         connector.shutdown = deregister_then_shutdown

@@ -1,5 +1,6 @@
-"""The vLLM tier's router: a real vllm-router (no prefill or decode URL on its command line)
-fed only by `engine-registry router-sync` from the tier's registry (a reader token)."""
+"""What the vLLM tier checks around its instances: the router (a real vllm-router, no prefill or
+decode URL on its command line, fed only by `engine-registry router-sync` from the tier's
+registry with a reader token), and a request naming a superseded prefill engine."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import Any
 
 import httpx
 
+from tests.workers.vllm_plugin.conftest import FIGURES, MACHINE
 from workers.client import RegistryClient
 from workers.models import Engine
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
+from workers.tools.vllm_launch import Instance
 from workers.tools.vllm_pd import complete
+from workers.vllm_plugin.stale import MARK as STALE_MARK
 
 
 def within(check: Callable[[], Any], limit_s: float, what: str, on_fail: Callable[[], str]) -> Any:
@@ -82,3 +86,22 @@ def serving(client: RegistryClient, group: str, url: str, limit_s: float = 60.0)
     found: Engine = within(published, limit_s, f"{group} published {url}",
                            lambda: str(client.get_engine(group).raw))  # fmt: skip
     return found
+
+
+def stale_request_fails_at_once(
+    decode: Instance, body: dict[str, Any], params: dict[str, Any], old_id: str, old_port: int
+) -> None:
+    """A request still naming the superseded engine (and its dead side channel) fails at once
+    naming the cause (the plugin asks the registry first), instead of vLLM waiting 5 s on the
+    side channel."""
+    stale = {**params, "remote_engine_id": old_id, "remote_port": old_port}
+    t0 = time.monotonic()
+    refused = complete(decode.url, {**body, "kv_transfer_params": stale})
+    took = FIGURES["request naming the superseded engine failed after"] = time.monotonic() - t0
+    said = [line for line in decode.log_text().splitlines() if STALE_MARK in line]
+    assert any(f"{old_id}: superseded by generation" in line for line in said), (
+        refused.status_code, refused.text[:500], decode.tails())  # fmt: skip
+    assert took < 5.0, refused.text[:500]  # not vLLM's 5 s wait on the side channel
+    MACHINE["a request naming the superseded engine: decode answered"] = (
+        f"{refused.status_code} {refused.text[:120]}"
+    )

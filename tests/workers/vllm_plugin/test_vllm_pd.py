@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.workers.vllm_plugin.conftest import FIGURES, MACHINE
-from tests.workers.vllm_plugin.routing import Routing, serving
+from tests.workers.vllm_plugin.routing import Routing, serving, stale_request_fails_at_once
 from workers.client import RegistryClient
 from workers.errors import EngineSuperseded
 from workers.tools import cpu_amx
@@ -342,6 +342,7 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
             _start_prefill(shared, "prefill-registry", plugin=True)
         old = client.get_engine("prefill-0")
         assert shared.prefill is not None
+        old_side_channel = shared.prefill.side_channel_port
         shared.prefill.stop()
         shared.prefill = None
         # Deregistered on shutdown, or the 10 s lease ran out: no live rank of the old launch.
@@ -365,6 +366,9 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert params["remote_engine_id"] == new.engine_id
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+        stale_request_fails_at_once(
+            shared.decode, shared.body(), params, old.engine_id, old_side_channel
+        )
 
         # The router follows the relaunch on another port without a restart, and dropped the
         # old prefill: router-sync withdrew it, vllm-router let it expire.
