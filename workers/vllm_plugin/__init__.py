@@ -35,6 +35,7 @@ naming the variable, the value and the form expected):
     ENGINE_REGISTRY_TIMEOUT_S  deadline of each registry call at start (default 30)
     ENGINE_REGISTRY_REFUSE_EXIT_S  a worker that refused its identity exits this many seconds
                              after raising (default 10), so headless nodes stop too
+    ENGINE_REGISTRY_CHECK_REMOTE  a decode handshake asks the registry first (default true)
     ENGINE_REGISTRY_ADVERTISE_URL  the URL routers reach this instance's API at (default:
                              http://{--host}:{--port}); published once the API answers
     ENGINE_REGISTRY_LAUNCH_ID  made up by the first process of a launch when unset, inherited

@@ -60,6 +60,9 @@ class PluginSettings(BaseSettings):
     kv_wait_warn_s: float = Field(
         10.0, gt=0, le=3600, description="a decode worker logs a KV pull waiting this long: s"
     )
+    check_remote: bool = Field(
+        True, description="a decode handshake asks the registry first (false: vLLM alone)"
+    )
     advertise_url: str = Field(
         "", description="the URL routers reach this instance's API at (default: from --port)"
     )

@@ -243,6 +243,7 @@ def attach_publication(connector: Any, config: Any) -> None:
     settings = _state.settings
     if settings is not None:
         kv_watch.attach(connector, kv_watch.KvWatch(warn_s=settings.kv_wait_warn_s))
-        stale.guard(getattr(connector, "connector_worker", None), settings)
+        if settings.check_remote:
+            stale.guard(getattr(connector, "connector_worker", None), settings)
     if shutdown is not None:
         connector.shutdown = deregister_then_shutdown

@@ -62,7 +62,7 @@ class _Shared:
         assert self.decode_process is not None, "decode starts after each prefill is healthy"
         return self.decode_process
 
-    def decode_instance(self) -> Instance:
+    def decode_instance(self, **env: str) -> Instance:
         return Instance(
             "decode",
             self.model,
@@ -73,7 +73,7 @@ class _Shared:
             group="decode-0",
             role="decode",
             # The KV-pull watch says every pull's stage (handshake pending, READ posted).
-            extra_env={"ENGINE_REGISTRY_KV_WAIT_WARN_S": "0.001"},
+            extra_env={"ENGINE_REGISTRY_KV_WAIT_WARN_S": "0.001", **env},
         )
 
     def body(self, max_tokens: int = 8) -> dict[str, Any]:
@@ -207,7 +207,10 @@ def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
     shared.decode_process = shared.prefill = None
     shared.prefill = shared.prefill_instance(name, plugin=plugin).start()
     FIGURES[f"{name}: healthy after"] = shared.prefill.wait_healthy(START_S)
-    shared.decode_process = shared.decode_instance().start()
+    # Before the fix, decode leaves the handshake to vLLM, so that vLLM's own error shows (with
+    # its check on, the plugin refuses the unknown engine first: test_stale_engine.py).
+    env = {"ENGINE_REGISTRY_CHECK_REMOTE": "false"} if not plugin else {}
+    shared.decode_process = shared.decode_instance(**env).start()
     FIGURES[f"decode with {name}: healthy after"] = shared.decode.wait_healthy(START_S)
     return shared.prefill
 
