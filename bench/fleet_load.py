@@ -200,4 +200,3 @@ async def steady(
         "statuses": statuses,
         "client_cpu_share": round((time.process_time() - cpu0) / (warmup_s + window_s), 3),
     }
-
