@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from bench.common import HOST, cpu_seconds, etcd_store_available, process, say, wait_http
-from bench.fleet_load import TP, Fleet, launch, steady
+from bench.fleet_load import TP, Fleet, fleet_run
 from bench.watch import rss_mib
 from workers.tools.procs import RegistryProcess, free_port
 
@@ -127,38 +127,51 @@ def one_row(
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
     warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
     registry = RegistryProcess(store, host=HOST, log_path=log).start(timeout_s=60)
+    marks: list[float] = []
+    seen: dict[str, Any] = {}
+
+    def after_window() -> dict[str, Any]:
+        seen["rss_steady"] = rss_mib(registry.pid)
+        seen["reads"] = _reads(registry.url)
+        seen["store"] = (
+            _etcd_status(cluster) if cluster is not None else {"bytes": _store_bytes(db)}
+        )
+        seen["restart"] = _restart(registry, fleet)
+        return {}
+
     try:
         pid = registry.pid
         rss_empty = rss_mib(pid)
         cpu0 = cpu_seconds(pid)
-        up = asyncio.run(launch(registry.url, fleet))
-        up["server_cpu_s"] = round(cpu_seconds(pid) - cpu0, 2)
-        rss_ready = rss_mib(pid)
-        marks: list[float] = []
-        hold = asyncio.run(
-            steady(registry.url, fleet, warmup, window, HANDSHAKES_PER_S,
-                   lambda _start: marks.append(cpu_seconds(pid)))
+
+        def on_window(start: bool) -> None:
+            if start:
+                seen["rss_ready"] = rss_mib(pid)
+            marks.append(cpu_seconds(pid))
+
+        out = asyncio.run(
+            fleet_run(registry.url, fleet, warmup_s=warmup, window_s=window,
+                      handshakes_per_s=HANDSHAKES_PER_S, on_window=on_window,
+                      after_window=after_window)
         )  # fmt: skip
-        hold["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
-        beats = hold["heartbeats_per_s"] * window
-        work = beats + hold["handshakes_per_s"] * window
-        hold["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, work) * 1e6)
-        reads = _reads(registry.url)
-        rss_steady = rss_mib(pid)
-        size = _etcd_status(cluster) if cluster is not None else {"bytes": _store_bytes(db)}
-        restart = _restart(registry, fleet)
     finally:
         registry.stop()
+    up, hold = out["launch"], out["steady"]
+    up["server_cpu_s_to_window"] = round(marks[0] - cpu0, 2)
+    hold["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
+    work = (hold["heartbeats_per_s"] + hold["handshakes_per_s"]) * window
+    hold["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, work) * 1e6)
     return {
         "ranks": ranks,
         "groups": ranks // TP,
         "blob_bytes": BLOB_BYTES,
         "launch": up,
         "steady": hold,
-        "reads": reads,
-        "rss_mib": {"empty": rss_empty, "ready": rss_ready, "steady": rss_steady},
-        "store": size,
-        "restart": restart,
+        "after_window_statuses": out["after_window_statuses"],
+        "reads": seen["reads"],
+        "rss_mib": {"empty": rss_empty, "ready": seen["rss_ready"], "steady": seen["rss_steady"]},
+        "store": seen["store"],
+        "restart": seen["restart"],
     }
 
 
@@ -172,7 +185,11 @@ def ceiling(ranks: int, quick: bool) -> dict[str, Any]:
     url = f"http://{HOST}:{port}"
     with process([sys.executable, "-m", "bench.minimal", "raw", str(port)]) as proc:
         wait_http(url + "/", 30, proc)
-        return asyncio.run(steady(url, fleet, warmup, window, HANDSHAKES_PER_S))
+        out = asyncio.run(
+            fleet_run(url, fleet, warmup_s=warmup, window_s=window,
+                      handshakes_per_s=HANDSHAKES_PER_S, launch=False)
+        )  # fmt: skip
+    return dict(out["steady"])
 
 
 @contextlib.contextmanager

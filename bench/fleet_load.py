@@ -6,10 +6,14 @@ a TP 8 group on one node, so one leader, one lease and one heartbeat stream per 
 - **launch**: each group opens its engine (``PUT /tp-groups/{g}/engine``) and registers its
   eight ranks in one request (``PUT …/engine/agents``, one shared lease of ``TTL_S``), 64
   groups in flight; the fleet is ready when the last group's registration is answered;
-- **steady state**: each group renews its lease every ``TTL_S / 3`` seconds (the library's
-  default pace) with ``POST …/agents/heartbeat``, at a phase of its own; beside them, decode
-  leaders plan against random prefill engines (``POST /engines/{id}/handshake``, the
-  leader's plan for all eight prefill ranks) at ``handshakes_per_s``.
+- **heartbeats**: from its registration on, each group renews its lease every ``TTL_S / 3``
+  seconds (the library's default pace) with ``POST …/agents/heartbeat``, at a phase of its
+  own, until the run ends (through the registry's restart too, as workers would);
+- **steady state**: once the fleet is ready, after ``warmup_s``, a window of ``window_s``
+  in which decode leaders also plan against random prefill engines
+  (``POST /engines/{id}/handshake``, the leader's plan for all eight prefill ranks) at
+  ``handshakes_per_s``; then ``after_window`` (the reads, the restart) runs in a thread while
+  the heartbeats go on.
 
 Latencies are from the client's send to its answer, so they include the client's own
 scheduling delay: ``lag`` (how late each heartbeat was sent against its schedule) is reported
@@ -20,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,121 +88,158 @@ def _session(limit: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=timeout)
 
 
-async def launch(url: str, fleet: Fleet) -> dict[str, Any]:
-    """Open and register every group; the fleet's ready time and the requests' latencies."""
-    gate = asyncio.Semaphore(IN_FLIGHT)
-    opens: list[float] = []
-    registers: list[float] = []
-    errors: list[str] = []
+@dataclass
+class Run:
+    """What a run saw: latencies by phase, answers by status."""
 
-    async def group(s: aiohttp.ClientSession, index: int, gid: str) -> None:
-        role = "prefill" if gid.startswith("prefill") else "decode"
-        body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
-        async with gate:
-            t = time.perf_counter()
-            async with s.put(f"{url}/tp-groups/{gid}/engine", json=body) as r:
-                answer = await r.json()
-                opens.append(time.perf_counter() - t)
-                if r.status not in (200, 201):
-                    errors.append(f"open {gid}: {r.status}")
-                    return
-            eid = answer["engine_id"]
-            agents = {"agents": fleet.agents(index, eid)}
-            t = time.perf_counter()
-            async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=agents) as r:
-                await r.read()
-                registers.append(time.perf_counter() - t)
-                if r.status != 200:
-                    errors.append(f"register {gid}: {r.status}")
-                    return
-            fleet.engines[gid] = eid
+    opens: list[float] = field(default_factory=list)
+    registers: list[float] = field(default_factory=list)
+    beats: list[float] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+    plans: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    after: dict[str, int] = field(default_factory=dict)  # answers after the window
+    window: tuple[float, float] = (float("inf"), float("inf"))
 
-    cpu0 = time.process_time()
-    t0 = time.perf_counter()
-    async with _session(IN_FLIGHT) as s:
-        await asyncio.gather(*(group(s, i, g) for i, g in enumerate(fleet.groups)))
-    ready = time.perf_counter() - t0
-    return {
-        "ready_s": round(ready, 2),
-        "ranks_per_s": round(fleet.ranks / ready),
-        "open": summary_ms(opens),
-        "register": summary_ms(registers),
-        "errors": len(errors),
-        "first_errors": errors[:5],
-        "client_cpu_s": round(time.process_time() - cpu0, 2),
-    }
-
-
-async def steady(
-    url: str, fleet: Fleet, warmup_s: float, window_s: float, handshakes_per_s: float,
-    on_window: Any = None,
-) -> dict[str, Any]:  # fmt: skip
-    """Heartbeats at the library's pace and decode planning for ``warmup_s + window_s``;
-    latencies of the window only. ``on_window(start: bool)`` marks the window's ends (the
-    caller samples the server's CPU there)."""
-    beats: list[float] = []
-    lags: list[float] = []
-    plans: list[float] = []
-    statuses: dict[str, int] = {}
-    t0 = time.perf_counter()
-    start, end = t0 + warmup_s, t0 + warmup_s + window_s
-    prefill = [eid for gid, eid in fleet.engines.items() if gid.startswith("prefill")]
-
-    def count(kind: str, status: int) -> None:
+    def count(self, kind: str, status: int, sent: float) -> None:
+        into = self.after if sent >= self.window[1] else self.statuses
         key = f"{kind} {status}"
-        statuses[key] = statuses.get(key, 0) + 1
+        into[key] = into.get(key, 0) + 1
 
-    async def node(s: aiohttp.ClientSession, gid: str, eid: str, phase: float) -> None:
-        body = {"engine_id": eid, "ranks": list(range(TP))}
-        due = t0 + phase
-        while due < end:
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            sent = time.perf_counter()
+
+async def _beat(
+    s: aiohttp.ClientSession, url: str, run: Run, gid: str, eid: str, phase: float,
+    stop: asyncio.Event,
+) -> None:  # fmt: skip
+    body = {"engine_id": eid, "ranks": list(range(TP))}
+    due = time.perf_counter() + phase
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, due - time.perf_counter()))
+            return
+        sent = time.perf_counter()
+        try:
             async with s.post(f"{url}/tp-groups/{gid}/engine/agents/heartbeat", json=body) as r:
                 await r.read()
-            done = time.perf_counter()
-            if start <= sent < end:
-                beats.append(done - sent)
-                lags.append(sent - due)
-                count("heartbeat", r.status)
-            due += HEARTBEAT_S
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError):
+            status = 0  # the registry unreachable (its restart): the next beat tries again
+        done = time.perf_counter()
+        if run.window[0] <= sent < run.window[1]:
+            run.beats.append(done - sent)
+            run.lags.append(sent - due)
+        run.count("heartbeat", status, sent)
+        due += HEARTBEAT_S
 
-    async def planner(s: aiohttp.ClientSession, seed: int) -> None:
-        rng = random.Random(seed)
-        body = {"tp_size": 1, "rank": 0, "compat": COMPAT}
-        due = t0
-        while due < end and prefill and handshakes_per_s > 0:
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            eid = rng.choice(prefill)
-            sent = time.perf_counter()
-            async with s.post(f"{url}/engines/{eid}/handshake", json=body) as r:
-                await r.read()
-            if start <= sent < end:
-                plans.append(time.perf_counter() - sent)
-                count("handshake", r.status)
-            due += PLANNERS / handshakes_per_s
 
-    async def marks() -> None:
-        await asyncio.sleep(max(0.0, start - time.perf_counter()))
+async def _group(
+    s: aiohttp.ClientSession, url: str, fleet: Fleet, run: Run, index: int, gid: str,
+    gate: asyncio.Semaphore, stop: asyncio.Event, beats: list[asyncio.Task[None]],
+) -> None:  # fmt: skip
+    role = "prefill" if gid.startswith("prefill") else "decode"
+    body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
+    async with gate:
+        t = time.perf_counter()
+        async with s.put(f"{url}/tp-groups/{gid}/engine", json=body) as r:
+            answer = await r.json()
+            run.opens.append(time.perf_counter() - t)
+            if r.status not in (200, 201):
+                run.errors.append(f"open {gid}: {r.status}")
+                return
+        eid = answer["engine_id"]
+        agents = {"agents": fleet.agents(index, eid)}
+        t = time.perf_counter()
+        async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=agents) as r:
+            await r.read()
+            run.registers.append(time.perf_counter() - t)
+            if r.status != 200:
+                run.errors.append(f"register {gid}: {r.status}")
+                return
+        fleet.engines[gid] = eid
+    phase = random.Random(index).uniform(0, HEARTBEAT_S)
+    beats.append(asyncio.create_task(_beat(s, url, run, gid, eid, phase, stop)))
+
+
+async def _planner(
+    s: aiohttp.ClientSession, url: str, run: Run, prefill: list[str], rate: float, seed: int
+) -> None:
+    rng = random.Random(seed)
+    body = {"tp_size": 1, "rank": 0, "compat": COMPAT}
+    due = run.window[0]
+    while due < run.window[1]:
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        sent = time.perf_counter()
+        async with s.post(f"{url}/engines/{rng.choice(prefill)}/handshake", json=body) as r:
+            await r.read()
+            run.plans.append(time.perf_counter() - sent)
+            run.count("handshake", r.status, sent)
+        due += PLANNERS / rate
+
+
+async def fleet_run(
+    url: str, fleet: Fleet, *, warmup_s: float, window_s: float, handshakes_per_s: float,
+    on_window: Callable[[bool], None] | None = None,
+    after_window: Callable[[], dict[str, Any]] | None = None, launch: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """Launch (unless ``launch`` is False: ``fleet.engines`` is given), heartbeats, the
+    window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends."""
+    run, stop = Run(), asyncio.Event()
+    gate = asyncio.Semaphore(IN_FLIGHT)
+    beats: list[asyncio.Task[None]] = []
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+    async with _session(0) as s:
+        if launch:
+            await asyncio.gather(
+                *(_group(s, url, fleet, run, i, g, gate, stop, beats)
+                  for i, g in enumerate(fleet.groups))
+            )  # fmt: skip
+            ready = time.perf_counter() - t0
+            out["launch"] = {
+                "ready_s": round(ready, 2),
+                "ranks_per_s": round(fleet.ranks / ready),
+                "open": summary_ms(run.opens),
+                "register": summary_ms(run.registers),
+                "errors": len(run.errors),
+                "first_errors": run.errors[:5],
+                "client_cpu_s": round(time.process_time() - cpu0, 2),
+            }
+        else:
+            rng = random.Random(3)
+            beats += [
+                asyncio.create_task(_beat(s, url, run, g, e, rng.uniform(0, HEARTBEAT_S), stop))
+                for g, e in fleet.engines.items()
+            ]
+        start = time.perf_counter() + warmup_s
+        run.window = (start, start + window_s)
+        prefill = [eid for gid, eid in fleet.engines.items() if gid.startswith("prefill")]
+        await asyncio.sleep(warmup_s)
         if on_window:
             on_window(True)
-        await asyncio.sleep(max(0.0, end - time.perf_counter()))
+        cpu1 = time.process_time()
+        if prefill and handshakes_per_s > 0:
+            await asyncio.gather(
+                *(_planner(s, url, run, prefill, handshakes_per_s, k) for k in range(PLANNERS))
+            )
+        await asyncio.sleep(max(0.0, run.window[1] - time.perf_counter()))
         if on_window:
             on_window(False)
-
-    rng = random.Random(3)
-    cpu0 = time.process_time()
-    async with _session(0) as s:
-        tasks = [node(s, g, e, rng.uniform(0, HEARTBEAT_S)) for g, e in fleet.engines.items()]
-        planners = [planner(s, k) for k in range(PLANNERS)]
-        await asyncio.gather(*tasks, *planners, marks())
-    return {
+        client = time.process_time() - cpu1
+        if after_window:
+            out["after_window"] = await asyncio.to_thread(after_window)
+        stop.set()
+        await asyncio.gather(*beats)
+    out["steady"] = {
         "window_s": window_s,
-        "heartbeat": summary_ms(beats),
-        "heartbeats_per_s": round(len(beats) / window_s, 1),
-        "client_lag": summary_ms(lags),
-        "handshake": summary_ms(plans),
-        "handshakes_per_s": round(len(plans) / window_s, 1),
-        "statuses": statuses,
-        "client_cpu_share": round((time.process_time() - cpu0) / (warmup_s + window_s), 3),
+        "heartbeat": summary_ms(run.beats),
+        "heartbeats_per_s": round(len(run.beats) / window_s, 1),
+        "client_lag": summary_ms(run.lags),
+        "handshake": summary_ms(run.plans),
+        "handshakes_per_s": round(len(run.plans) / window_s, 1),
+        "statuses": run.statuses,
+        "client_cpu_share": round(client / window_s, 3),
     }
+    out["after_window_statuses"] = run.after
+    return out
