@@ -238,7 +238,7 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
                     row = {"ranks": n, "failed": f"{type(exc).__name__}: {exc}"[:500], "log": tail}
-                say(f"fleet: {kind}, {n} ranks: {json.dumps(row)[:600]}")
+                say(f"fleet: {kind}, {n} ranks: {json.dumps(row)}")
                 rows[kind].append(row)
         say("fleet: the client's ceiling (bench.minimal raw)")
         top = ceiling(max(sizes), quick)

@@ -110,8 +110,10 @@ class Run:
 
 async def _beat(
     s: aiohttp.ClientSession, url: str, run: Run, gid: str, eid: str, phase: float,
-    stop: asyncio.Event,
+    stop: asyncio.Event, again: Callable[[], dict[str, Any]] | None = None,
 ) -> None:  # fmt: skip
+    """Renew every ``HEARTBEAT_S``; after a 404 (the lease lapsed) register again with
+    ``again()``'s body, as ``BatchPublication`` does."""
     body = {"engine_id": eid, "ranks": list(range(TP))}
     due = time.perf_counter() + phase
     while not stop.is_set():
@@ -130,6 +132,10 @@ async def _beat(
             run.beats.append(done - sent)
             run.lags.append(sent - due)
         run.count("heartbeat", status, sent)
+        if status == 404 and again is not None:
+            async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=again()) as r:
+                await r.read()
+                run.count("re-register", r.status, sent)
         due += HEARTBEAT_S
 
 
@@ -158,7 +164,8 @@ async def _group(
                 return
         fleet.engines[gid] = eid
     phase = random.Random(index).uniform(0, HEARTBEAT_S)
-    beats.append(asyncio.create_task(_beat(s, url, run, gid, eid, phase, stop)))
+    again = lambda: {"agents": fleet.agents(index, eid)}  # noqa: E731
+    beats.append(asyncio.create_task(_beat(s, url, run, gid, eid, phase, stop, again)))
 
 
 async def _planner(
