@@ -33,7 +33,15 @@ from typing import Any
 
 import httpx
 
-from bench.common import HOST, cpu_seconds, etcd_store_available, process, say, wait_http
+from bench.common import (
+    HOST,
+    cpu_seconds,
+    etcd_store_available,
+    process,
+    say,
+    wait_http,
+    wait_quiet,
+)
 from bench.fleet_load import TP, Fleet, fleet_run
 from bench.watch import rss_mib
 from workers.tools.procs import RegistryProcess, free_port
@@ -43,6 +51,7 @@ from workers.tools.procs import RegistryProcess, free_port
 REGIONS = 80
 BLOB_BYTES = 408 + 44 * REGIONS
 HANDSHAKES_PER_S = 20.0
+QUIET_WAIT_S = 180.0  # before each row: wait (this long at most) for other work to go idle
 # etcd as documented in docs/benchmarks.md: 8 GiB quota (etcd's suggested maximum), history
 # compacted hourly (the registry's watch history lives in its own log, not etcd's).
 ETCD_ENV = {"ETCD_QUOTA_BACKEND_BYTES": str(8 << 30), "ETCD_AUTO_COMPACTION_RETENTION": "1"}
@@ -224,7 +233,9 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                     continue
             rows[kind] = []
             for n in sizes:
-                say(f"fleet: {kind}, {n} ranks")
+                busy = wait_quiet(QUIET_WAIT_S)
+                load = Path("/proc/loadavg").read_text().split()[:3]
+                say(f"fleet: {kind}, {n} ranks (machine {busy:.0%} busy, load {load})")
                 log = tmp / f"registry-{kind}-{n}.log"
                 try:
                     if kind == "sqlite":
@@ -238,6 +249,8 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
                     row = {"ranks": n, "failed": f"{type(exc).__name__}: {exc}"[:500], "log": tail}
+                row |= {"busy_before": busy, "load_before": load,
+                        "load_after": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
                 say(f"fleet: {kind}, {n} ranks: {json.dumps(row)}")
                 rows[kind].append(row)
         say("fleet: the client's ceiling (bench.minimal raw)")
