@@ -233,7 +233,7 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                     continue
             rows[kind] = []
             for n in sizes:
-                busy = wait_quiet(QUIET_WAIT_S)
+                busy = wait_quiet(0 if quick else QUIET_WAIT_S)
                 load = Path("/proc/loadavg").read_text().split()[:3]
                 say(f"fleet: {kind}, {n} ranks (machine {busy:.0%} busy, load {load})")
                 log = tmp / f"registry-{kind}-{n}.log"
