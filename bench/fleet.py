@@ -46,8 +46,10 @@ from bench.fleet_load import TP, Fleet, fleet_run
 from bench.watch import rss_mib
 from workers.tools.procs import RegistryProcess, free_port
 
-# NIXL's agent metadata, measured (UCX, this host, nixl 1.5.1): 408 + 44 bytes a registered
-# region; a 70B Llama-architecture model registers one region a layer: 80.
+# NIXL's agent metadata, measured (bench/blob_size.py: UCX, this host, nixl 1.5.1): about
+# 410 + 44 bytes a registered region. A 70B Llama-shaped model at TP 8 registers 1 region a
+# rank in vLLM 0.32 (one KV-cache tensor for all layers) and 80 with one tensor a layer: the
+# larger is used (docs/benchmarks.md has the derivation).
 REGIONS = 80
 BLOB_BYTES = 408 + 44 * REGIONS
 HANDSHAKES_PER_S = 20.0
