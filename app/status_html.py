@@ -1,11 +1,17 @@
-"""The operator's status page: every group and the latest events, as one HTML document.
+"""The operator's status page: a summary, the groups in pages, and the latest events.
 
-Rendered on the server from the registry's read model (one store-wide read per page), with
-inline CSS and a small inline script (allowed by hash in the Content-Security-Policy) that
-follows the registry's watch stream (``GET /tp-groups?watch=true``) and, when a group
-changes, fetches the same URL and swaps the page's main part in (at most once a second); it
-shows a banner when the stream breaks or goes silent (no bookmark for 20 s), and follows it
-again every refresh period from its revision.
+The summary comes first (groups and ranks by role and state, over the whole registry); then
+one page of groups, the not-ready ones first (then by group id), at most ``limit`` groups and
+never more than ``PAGE_BUDGET`` bytes of rows, so a page of a 12,500-group fleet stays well
+under 1 MB; a "next page" link carries ``after`` (the last row's place in that order) and the
+filters. Pages are a live view, not a snapshot: a group that changes state between two pages
+moves in the order. Rendered on the server from the registry's read model (one store-wide
+read per page), with inline CSS and a small inline script (allowed by hash in the
+Content-Security-Policy) that follows the registry's watch stream
+(``GET /tp-groups?watch=true``) and, when a group changes, fetches the same URL and swaps
+the page's main part in (at most once a second); it shows a banner when the stream breaks or
+goes silent (no bookmark for 20 s), and follows it again every refresh period from its
+revision.
 Without JavaScript a ``<noscript>`` meta refresh reloads the page. Every value that comes
 from a client (group ids, hosts, agent names, details) goes through :func:`html.escape`.
 """
@@ -13,6 +19,7 @@ from a client (group ids, hosts, agent names, details) goes through :func:`html.
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import time
 from collections.abc import Iterable
@@ -27,6 +34,10 @@ if TYPE_CHECKING:
     from app.registry.state import GroupState
 
 REFRESH_S = 5  # up to 200 groups; one second more for each further 100 (at most 30 s)
+PAGE_GROUPS = 100  # groups on a page unless ``limit`` says otherwise
+MAX_PAGE_GROUPS = 500
+PAGE_BUDGET = 768 * 1024  # bytes of group rows on one page: the page stays under 1 MB
+AFTER_PATTERN = r"^[01]:[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"  # a row's place in the order
 STATES = ("", "ready", "not_ready")
 ROLES = ("", "prefill", "decode", "both")
 
@@ -124,12 +135,77 @@ CSP = (
 class Filters:
     role: str = ""
     state: str = ""
+    limit: int = PAGE_GROUPS
+    after: str = ""  # the order key of the previous page's last row; "" for the first page
 
     def keep(self, state: GroupState) -> bool:
         if self.role and state.engine.role != self.role:
             return False
         ready = not state.missing
         return not self.state or (self.state == "ready") == ready
+
+
+def order_key(state: GroupState) -> str:
+    """Not-ready groups first, then by group id (the ``after`` of the next page)."""
+    return ("0:" if state.missing else "1:") + state.engine.group_id
+
+
+def _query(filters: Filters, after: str) -> str:
+    parts = [("role", filters.role), ("state", filters.state)]
+    if filters.limit != PAGE_GROUPS:
+        parts.append(("limit", str(filters.limit)))
+    parts.append(("after", after))
+    return "/status?" + "&amp;".join(f"{k}={escape(v)}" for k, v in parts if v)
+
+
+def _summary(states: list[GroupState]) -> str:
+    """Groups and ranks by role and state, the whole registry: what an operator reads first."""
+    rows = []
+    for role in ("prefill", "decode", "both", ""):
+        mine = [s for s in states if not role or s.engine.role == role]
+        if role and not mine:
+            continue
+        ready = sum(not s.missing for s in mine)
+        live = sum(sum(r < s.engine.tp_size for r in s.agents) for s in mine)
+        missing = sum(len(s.missing) for s in mine)
+        bad = ' class="bad"' if len(mine) - ready else ""
+        rows.append(
+            f'<tr><th scope="row">{role or "all"}</th><td>{len(mine)}</td><td>{ready}</td>'
+            f"<td{bad}>{len(mine) - ready}</td><td>{live}</td><td{bad}>{missing}</td></tr>"
+        )
+    return (
+        '<section aria-labelledby="summary-h"><h2 id="summary-h">Summary</h2>'
+        '<table id="summary"><thead><tr><th scope="col">Role</th><th scope="col">Groups</th>'
+        '<th scope="col">Ready</th><th scope="col">Not ready</th>'
+        '<th scope="col">Ranks live</th><th scope="col">Ranks missing</th></tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></section>"
+    )
+
+
+def _page(
+    shown: list[GroupState], filters: Filters, observer: Observer, now: float
+) -> tuple[str, str]:
+    """One page of rows (at most ``limit``, at most ``PAGE_BUDGET`` bytes) and its links."""
+    keys = [order_key(s) for s in shown]
+    start = bisect.bisect_right(keys, filters.after) if filters.after else 0
+    rows: list[str] = []
+    size = 0
+    for s in shown[start : start + filters.limit]:
+        row = _group_row(s, observer, now)
+        if rows and size + len(row) > PAGE_BUDGET:
+            break
+        rows.append(row)
+        size += len(row)
+    end = start + len(rows)
+    links = []
+    if filters.after:
+        links.append(f'<a href="{_query(filters, "")}">First page</a>')
+    if end < len(shown):
+        links.append(f'<a rel="next" href="{_query(filters, keys[end - 1])}">Next page</a>')
+    where = f"Groups {start + 1} to {end} of {len(shown)}" if rows else f"None of {len(shown)}"
+    nav = f'<nav aria-label="Pages" id="pages"><p>{where}. {" ".join(links)}</p></nav>'
+    body = "".join(rows) or '<tr><td colspan="9">No group matches.</td></tr>'
+    return body, nav
 
 
 def _left(seconds: float, ttl_s: int) -> str:
@@ -218,11 +294,9 @@ def render(
     now: float | None = None,
 ) -> str:
     now = time.time() if now is None else now
-    shown = sorted((s for s in states if filters.keep(s)), key=lambda s: s.engine.group_id)
+    shown = sorted((s for s in states if filters.keep(s)), key=order_key)
     ready = sum(not s.missing for s in states)
-    rows = "".join(_group_row(s, observer, now) for s in shown)
-    if not rows:
-        rows = '<tr><td colspan="9">No group matches.</td></tr>'
+    rows, nav = _page(shown, filters, observer, now)
     event_rows = "".join(_event_row(ev) for ev in reversed(events))
     if not event_rows:
         event_rows = '<tr><td colspan="4">No events yet.</td></tr>'
@@ -238,10 +312,12 @@ def render(
 <p id="lost" role="alert" hidden></p></header>
 <main>
 <p id="stamp">Read at {stamp}: {len(states)} groups, {ready} ready, {len(states) - ready} not
-ready; showing {len(shown)}. Refreshes every {every} s.</p>
+ready; {len(shown)} match the filters. Refreshes every {every} s.</p>
+{_summary(states)}
 <form method="get" action="/status">{_options("role", ROLES, filters.role)}
 {_options("state", STATES, filters.state)}<button type="submit">Filter</button></form>
 <section aria-labelledby="groups-h"><h2 id="groups-h">Groups</h2>
+<p class="muted">Not-ready groups first, then by group id.</p>{nav}
 <table><caption class="muted">Lease left: the rank whose lease ends first; marked low under a
 third of its ttl. Generation: launches of the group so far.</caption>
 <thead><tr><th scope="col">Group</th><th scope="col">Role</th><th scope="col">Generation</th>

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import report_lean, report_watch, soak
+from bench import report_fleet, report_lean, report_watch, soak
 
 OPS = ("open", "get_engine", "register", "heartbeat", "handshake", "wait_ready")
 
@@ -195,6 +195,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
             out.append(report_lean.vs_etcd(label, ours, base))
     out += _request_path_targets(results)
     out += report_watch.targets(results.get("watch", {}))
+    out += report_fleet.targets(results.get("fleet", {}))
     h = results.get("handshake", {})
     for r in h.get("rows", []):
         if r["decode_tp"] == 8:
@@ -334,4 +335,6 @@ def markdown(results: dict[str, Any], info: dict[str, Any]) -> str:
         lines += soak.section(results["soak"])
     if "watch" in results:
         lines += report_watch.table(results["watch"])
+    if "fleet" in results:
+        lines += report_fleet.table(results["fleet"])
     return "\n".join(lines).rstrip() + "\n"

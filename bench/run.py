@@ -18,7 +18,7 @@ from typing import Any
 from bench.common import RESULTS, machine, say, wait_quiet, write_result
 from bench.report import markdown
 
-QUESTIONS = ("lean", "storm", "lookups", "handshake", "transfer", "soak", "watch")
+QUESTIONS = ("lean", "storm", "lookups", "handshake", "transfer", "soak", "watch", "fleet")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,13 @@ Workers send these few requests thousands of times a second at fleet scale:
     PUT  /tp-groups/{group_id}/engine                      (rank 0 opens its launch)
     PUT  /tp-groups/{group_id}/engine/agents/{rank}
     POST /tp-groups/{group_id}/engine/agents/{rank}/heartbeat
+    PUT  /tp-groups/{group_id}/engine/agents               (a node's ranks, batched)
+    POST /tp-groups/{group_id}/engine/agents/heartbeat     (a node's heartbeat, batched)
     POST /engines/{engine_id}/handshake
+
+The batched pair is what the worker library sends by default (a leader per node): at
+100,000 ranks, 1,250 node heartbeats a second, which through FastAPI's stack cost four times
+the registry's own work (``docs/benchmarks.md``, the fleet's profile).
 
 This layer, inside the auth and observability middleware and in front of the body limit and
 FastAPI's router, answers them when the request is valid (its body within the same limit: a
@@ -42,8 +48,10 @@ from app.schemas import (
     MAX_TP_SIZE,
     EngineIdBody,
     HandshakeRequest,
+    HeartbeatsRequest,
     OpenEngineRequest,
     RegisterAgentRequest,
+    RegisterAgentsRequest,
 )
 from app.store import Unavailable
 
@@ -93,6 +101,11 @@ class FastPath:
             by_path["/tp-groups/{group_id}/engine/agents/{rank}/heartbeat"],
         )
         self.handshake = (self._handshake, by_path["/engines/{engine_id}/handshake"])
+        self.register_batch = (self._register_batch, by_path["/tp-groups/{group_id}/engine/agents"])
+        self.heartbeat_batch = (
+            self._heartbeat_batch,
+            by_path["/tp-groups/{group_id}/engine/agents/heartbeat"],
+        )
         self._reg: Registry | None = None  # the app's, set by its lifespan before any request
 
     def match(self, method: str, parts: list[str]) -> tuple[Handler, BaseRoute] | None:
@@ -104,7 +117,11 @@ class FastPath:
                 return self.open_engine if method == "PUT" else None
             if parts[3] != "agents":
                 return None
+            if n == 4:
+                return self.register_batch if method == "PUT" else None
             if n == 5:
+                if parts[4] == "heartbeat":
+                    return self.heartbeat_batch if method == "POST" else None
                 return self.register if method == "PUT" else None
             if n == 6 and parts[5] == "heartbeat":
                 return self.heartbeat if method == "POST" else None
@@ -179,6 +196,23 @@ class FastPath:
         gid, rank = _group(parts[1]), _rank(parts[4])
         body = _body(EngineIdBody, raw)
         return 200, await self._registry(scope).heartbeat(gid, rank, body.engine_id)
+
+    async def _register_batch(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        gid = _group(parts[1])
+        body = _body(RegisterAgentsRequest, raw)
+        client = scope.get("client")
+        return 200, await self._registry(scope).register_agents(
+            gid, body, client[0] if client else None
+        )
+
+    async def _heartbeat_batch(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        gid = _group(parts[1])
+        body = _body(HeartbeatsRequest, raw)
+        return 200, await self._registry(scope).heartbeat_agents(gid, body.engine_id, body.ranks)
 
     async def _handshake(
         self, scope: Scope, parts: list[str], raw: bytes | None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -95,12 +96,18 @@ TEXTS_BYTES = 128 * 1024 * 1024  # base64 texts of blobs kept, by their length
 class _Cache:
     """Values by key, each with the store revision it is of and its size in bytes; at most
     ``budget`` bytes in all (the oldest insertion goes first), and what a group's keys hold
-    can be dropped at once when the group goes (``forget``)."""
+    can be dropped at once when the group goes (``forget``).
+
+    An ``OrderedDict``: finding the oldest is O(1) however many were dropped before it. In a
+    plain dict ``next(iter(d))`` walks past every slot emptied at the front since the dict was
+    last resized, so a cache evicting at its budget took time growing with its size on every
+    insertion: at 100,000 ranks (records past the budget, evicted on every heartbeat) that
+    walk was half of the event loop's time (``docs/benchmarks.md``)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.bytes = 0
-        self._items: dict[str, tuple[int, object, int]] = {}
+        self._items: OrderedDict[str, tuple[int, object, int]] = OrderedDict()
         self._by_group: dict[str, set[str]] = {}
 
     def __len__(self) -> int:

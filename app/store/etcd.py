@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aetcd
@@ -47,6 +47,10 @@ from app.store.base import (
 from app.store.etcd_cluster import Cluster
 from app.store.etcd_config import EtcdAccess, EtcdUrl, parse_url
 from app.store.etcd_state import LeaseBook, WatchHub
+
+# Keys a Range answers at most (later pages follow): an agent's record is about 1.5 KiB with
+# 80 KV regions, so a page stays near 1.5 MiB, far below gRPC's 16 MiB cap on an answer.
+RANGE_PAGE = 1000
 
 
 class EtcdStore(Store):
@@ -130,7 +134,8 @@ class EtcdStore(Store):
             raise Unavailable(exc.detail) from exc  # each reader its own
 
     def _send_read(self, key: bytes, end: bytes) -> asyncio.Future[Any]:
-        request = rpc.RangeRequest(key=key, range_end=end)
+        # A prefix's first page (see _read_prefix); a single key has no page.
+        request = rpc.RangeRequest(key=key, range_end=end, limit=RANGE_PAGE if end else 0)
 
         def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
             settle(read)  # sent: later readers need a read of their own
@@ -152,12 +157,28 @@ class EtcdStore(Store):
         return self._entry(reply.kvs[0]) if reply.kvs else None
 
     async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
-        start = self._key(prefix)
-        reply = await self._read(start, prefix_range_end(start))
-        entries = [self._entry(kv) for kv in reply.kvs]  # etcd answers in key order
+        kvs, revision = await self._read_prefix(prefix)
+        entries = [self._entry(kv) for kv in kvs]  # etcd answers in key order
         leases = {e.lease for e in entries if e.lease is not None}
         remaining = await self._remaining(leases) if leases else {}
-        return Snapshot(entries, int(reply.header.revision), remaining)
+        return Snapshot(entries, revision, remaining)
+
+    async def _read_prefix(self, prefix: str) -> tuple[list[Any], int]:
+        """Every key under ``prefix`` as of one revision, in pages of ``RANGE_PAGE`` keys:
+        one answer for a whole fleet's records (15 MiB at 10,000 ranks of 80 KV regions)
+        passes gRPC's message cap and fails. The first page is the linearizable read; the
+        later pages read at its revision, so the whole is one snapshot."""
+        start = self._key(prefix)
+        end = prefix_range_end(start)
+        reply = await self._read(start, end)
+        kvs, revision = list(reply.kvs), int(reply.header.revision)
+        while reply.more:
+            request = rpc.RangeRequest(
+                key=kvs[-1].key + b"\0", range_end=end, limit=RANGE_PAGE, revision=revision
+            )
+            reply = await self._call("read", _ranged(request))
+            kvs.extend(reply.kvs)
+        return kvs, revision
 
     async def _remaining(self, leases: set[int]) -> dict[int, float]:
         known = {lease: self._leases.remaining(lease) for lease in leases}
@@ -347,9 +368,8 @@ class EtcdStore(Store):
         return etcd_watch.follow(self._call, self._root, prefix, start_revision, progress_s, nudge)
 
     async def entries(self, prefix: str) -> Snapshot:
-        start = self._key(prefix)
-        reply = await self._read(start, prefix_range_end(start))
-        return Snapshot([self._entry(kv) for kv in reply.kvs], int(reply.header.revision), {})
+        kvs, revision = await self._read_prefix(prefix)
+        return Snapshot([self._entry(kv) for kv in kvs], revision, {})
 
     async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
         return await self._remaining(leases) if leases else {}
@@ -398,3 +418,11 @@ class EtcdStore(Store):
                 task.cancel()
         self._hubs.clear()
         await self._cluster.close()
+
+
+def _ranged(request: Any) -> Callable[[aetcd.Client, float], Awaitable[Any]]:
+    def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
+        reply: Awaitable[Any] = client.kvstub.Range(request, timeout=seconds)
+        return reply
+
+    return send

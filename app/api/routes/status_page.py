@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 
 from app.api.deps import RegistryDep, answer
 from app.events import Events
-from app.status_html import CSP, Filters, render
+from app.status_html import AFTER_PATTERN, CSP, MAX_PAGE_GROUPS, PAGE_GROUPS, Filters, render
 
 router = APIRouter(tags=["status"])
 
@@ -25,10 +25,20 @@ async def status_page(
     registry: RegistryDep,
     role: Annotated[Literal["", "prefill", "decode", "both"], Query()] = "",
     state: Annotated[Literal["", "ready", "not_ready"], Query()] = "",
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_PAGE_GROUPS, description="Groups on a page, at most.")
+    ] = PAGE_GROUPS,
+    after: Annotated[
+        str,
+        Query(
+            pattern=AFTER_PATTERN,
+            description="The previous page's last row (its 'Next page' link gives it).",
+        ),
+    ] = "",
 ) -> Response:
     states = await registry.refresh_gauges()
     events = await registry.events.read(limit=EVENTS_ON_PAGE)
-    page = render(states, events.events, registry.observer, Filters(role, state))
+    page = render(states, events.events, registry.observer, Filters(role, state, limit, after))
     return Response(
         page,
         media_type="text/html; charset=utf-8",

@@ -118,6 +118,58 @@ def test_valid_and_invalid_hot_requests_answer_alike(
     same_everywhere(servers, steps, tmp_path)
 
 
+def test_batched_registrations_and_heartbeats_answer_alike(
+    servers: dict[str, httpx.Client], tmp_path: Path
+) -> None:
+    """A node's batched routes (what ``BatchPublication`` sends), valid and not."""
+    one, two = agent_body("{eid}", 0) | {"rank": 0}, agent_body("{eid}", 1) | {"rank": 1}
+    beat = {"engine_id": "{eid}", "ranks": [0, 1]}
+    steps: list[Step] = [
+        ("POST", "/tp-groups/{g}/engine/agents/heartbeat", beat),  # no agent yet: 404
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": [one]}),  # 200, rank 0 created
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": [one, two]}),  # 0 replaced, 1 new
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": [one, one]}),  # a rank twice: 422
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": [one, two | {"ttl_s": 60}]}),  # 422
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": [one | {"rank": 5}]}),  # 422
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": []}),  # 422
+        ("PUT", "/tp-groups/{g}/engine/agents", {"agents": [one | {"engine_id": "x"}]}),  # 409
+        ("PUT", "/tp-groups/nobody/engine/agents", {"agents": [one]}),  # 404
+        ("PUT", "/tp-groups/{g}/engine/agents", b"{not json"),  # 422
+        ("POST", "/tp-groups/{g}/engine/agents/heartbeat", beat),  # 200
+        ("POST", "/tp-groups/{g}/engine/agents/heartbeat", beat | {"ranks": [0, 0]}),  # 422
+        ("POST", "/tp-groups/{g}/engine/agents/heartbeat", beat | {"ranks": [7]}),  # 422
+        ("POST", "/tp-groups/{g}/engine/agents/heartbeat", beat | {"engine_id": "x"}),  # 409
+        ("POST", "/tp-groups/{g}/engine/agents/heartbeat", beat | {"engine_id": 7}),  # 422
+        ("POST", "/tp-groups/nobody/engine/agents/heartbeat", beat),  # 404
+        ("PUT", "/tp-groups/{g}/engine/agents/heartbeat", one),  # not a rank: 422
+        ("GET", "/tp-groups/{g}/engine/agents/heartbeat", None),  # 405
+        ("POST", "/tp-groups/{g}/engine/agents", {"agents": [one]}),  # 405
+    ]
+    same_everywhere(servers, steps, tmp_path)
+
+
+def test_the_fast_path_takes_the_batched_routes() -> None:
+    """Matched by the fast path (so answered on the hot path, in one write), not left to
+    FastAPI's stack: what a node's leader sends every 10 s at fleet scale."""
+    from app.api.fastpath import FastPath
+    from app.api.routes import engines, tp_groups
+
+    async def nothing(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not called")
+
+    fast = FastPath(nothing, [*tp_groups.router.routes, *engines.router.routes], 1 << 20)
+    cases = {
+        ("PUT", "tp-groups/g/engine/agents"): fast.register_batch,
+        ("POST", "tp-groups/g/engine/agents/heartbeat"): fast.heartbeat_batch,
+        ("PUT", "tp-groups/g/engine/agents/3"): fast.register,
+        ("PUT", "tp-groups/g/engine/agents/heartbeat"): None,  # FastAPI answers: 422
+        ("POST", "tp-groups/g/engine/agents"): None,
+        ("GET", "tp-groups/g/engine/agents/heartbeat"): None,
+    }
+    for (method, path), expected in cases.items():
+        assert fast.match(method, path.split("/")) == expected, (method, path)
+
+
 # -- the hot path (app/api/hot.py): one write on uvicorn's connection, as uvicorn would -------
 
 

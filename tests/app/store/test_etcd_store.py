@@ -90,6 +90,35 @@ def test_a_multi_megabyte_blob_round_trips() -> None:
     run(body)
 
 
+def test_a_prefix_larger_than_one_grpc_answer_reads_whole_as_one_snapshot() -> None:
+    """A fleet's records pass gRPC's 16 MiB cap on one answer (10,000 ranks of 80 KV
+    regions): the store reads them in pages at one revision. 20 MiB here: 2,560 records of
+    8 KiB (written in transactions under etcd's request limit), then a write after the read
+    began is not in it."""
+
+    async def body() -> None:
+        from app.store.etcd import RANGE_PAGE
+
+        store = EtcdStore([live_endpoint()], uuid.uuid4().hex)
+        value = bytes(range(256)) * 32  # 8 KiB
+        keys = [f"groups/g{i:05d}/agents/00000" for i in range(2560)]
+        try:
+            for at in range(0, len(keys), 128):  # etcd takes 128 operations a transaction
+                ops = [Put(k, value) for k in keys[at : at + 128]]
+                assert (await store.txn([], ops)).succeeded
+            assert len(keys) > 2 * RANGE_PAGE
+            snap = await store.range("groups/")
+            assert [e.key for e in snap.entries] == keys
+            assert all(e.value == value for e in snap.entries)
+            whole = await store.entries("groups/")
+            assert [e.key for e in whole.entries] == keys
+            assert whole.revision == snap.revision
+        finally:
+            await store.close()
+
+    run(body)
+
+
 def test_stores_on_different_prefixes_do_not_see_each_other() -> None:
     async def body() -> None:
         a = EtcdStore([live_endpoint()], f"a-{uuid.uuid4().hex}")

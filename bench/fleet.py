@@ -1,0 +1,285 @@
+"""``python -m bench.fleet [--quick] [--ranks 1000,10000,100000] [--store sqlite,etcd]``: a whole
+fleet on one registry, measured at each size.
+
+Per size (TP 8 groups, half prefill and half decode, ``bench/fleet_load.py``): the launch
+through the batched per-node routes (time until every rank is registered), then a steady
+state of per-node heartbeats at the library's default pace (every 10 s under a 30 s lease)
+with decode leaders planning against random prefill engines, then the reads an operator
+makes (a page of 500 groups, the status page), then a restart of the registry on the same
+store (SIGTERM, start, until a group's engine and a heartbeat are answered again).
+
+Reported per row: ready time, the server's CPU in the steady state as a share of one core,
+p50/p99 of heartbeats and handshakes with the client's own lag and CPU beside them, the
+server's RSS, the store's size (SQLite: the file and its WAL; etcd: each member's database
+and the leases it holds), and the restart. The blobs are the size ``docs/benchmarks.md``
+derives for a 70B model at TP 8 (``REGIONS`` registered regions a rank, ``blob_bytes``).
+The client's ceiling: the same steady state against ``bench.minimal raw`` (no work).
+Nothing is asserted; figures go to ``bench/results/fleet.json`` (``bench.run``) or stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import (
+    HOST,
+    cpu_seconds,
+    etcd_store_available,
+    process,
+    say,
+    wait_http,
+    wait_quiet,
+)
+from bench.fleet_load import TP, Fleet, fleet_run
+from bench.watch import rss_mib
+from workers.tools.procs import RegistryProcess, free_port
+
+# NIXL's agent metadata, measured (bench/blob_size.py: UCX, this host, nixl 1.5.1): about
+# 410 + 44 bytes a registered region. A 70B Llama-shaped model at TP 8 registers 1 region a
+# rank in vLLM 0.32 (one KV-cache tensor for all layers) and 80 with one tensor a layer: the
+# larger is used (docs/benchmarks.md has the derivation).
+REGIONS = 80
+BLOB_BYTES = 408 + 44 * REGIONS
+HANDSHAKES_PER_S = 20.0
+QUIET_WAIT_S = 180.0  # before each row: wait (this long at most) for other work to go idle
+# etcd as documented in docs/benchmarks.md: 8 GiB quota (etcd's suggested maximum), history
+# compacted hourly (the registry's watch history lives in its own log, not etcd's).
+ETCD_ENV = {"ETCD_QUOTA_BACKEND_BYTES": str(8 << 30), "ETCD_AUTO_COMPACTION_RETENTION": "1"}
+
+
+def _store_bytes(db: Path | None) -> int:
+    if db is None:
+        return 0
+    return sum(p.stat().st_size for p in db.parent.glob(db.name + "*") if p.is_file())
+
+
+def _etcd_status(cluster: Any) -> dict[str, Any]:
+    status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json"))
+    sizes = [s["Status"]["dbSize"] for s in status]
+    in_use = [s["Status"].get("dbSizeInUse", 0) for s in status]
+    leases = cluster.etcdctl("lease", "list").splitlines()
+    return {
+        "db_mib": [round(b / 2**20, 1) for b in sizes],
+        "db_in_use_mib": [round(b / 2**20, 1) for b in in_use],
+        "leases": max(0, len(leases) - 1),  # the first line is "found N leases"
+        "members": len(status),
+    }
+
+
+def _timed_get(c: httpx.Client, path: str, **params: Any) -> tuple[float, httpx.Response]:
+    t = time.perf_counter()
+    r = c.get(path, params=params)
+    return time.perf_counter() - t, r
+
+
+def _reads(url: str) -> dict[str, Any]:
+    with httpx.Client(base_url=url, timeout=120) as c:
+        times, sizes = [], []
+        params: dict[str, Any] = {"limit": 500}
+        for _ in range(3):
+            dt, r = _timed_get(c, "/tp-groups", **params)
+            times.append(dt)
+            sizes.append(len(r.content))
+            token = r.json()["continue"]
+            if token is None:
+                break
+            params["continue"] = token
+        status_dt, status = _timed_get(c, "/status")
+    return {
+        "page_500_ms": [round(t * 1000, 1) for t in times],
+        "page_500_kib": round(max(sizes) / 1024, 1),
+        "status_ms": round(status_dt * 1000, 1),
+        "status_kib": round(len(status.content) / 1024, 1),
+        "status_code": status.status_code,
+    }
+
+
+def _restart(registry: RegistryProcess, fleet: Fleet) -> dict[str, Any]:
+    """SIGTERM, start on the same port and store; until a group's engine reads ready and its
+    heartbeat is answered 200 (the store loaded and serving)."""
+    gid, eid = next(iter(fleet.engines.items()))
+    t_stop = time.perf_counter()
+    registry.stop()
+    stopped = time.perf_counter() - t_stop
+    t0 = time.perf_counter()
+    registry.start(timeout_s=300)
+    healthz = time.perf_counter() - t0
+    body = {"engine_id": eid, "ranks": list(range(TP))}
+    with httpx.Client(base_url=registry.url, timeout=60) as c:
+        while time.perf_counter() - t0 < 300:
+            with contextlib.suppress(httpx.HTTPError):
+                engine = c.get(f"/tp-groups/{gid}/engine")
+                beat = c.post(f"/tp-groups/{gid}/engine/agents/heartbeat", json=body)
+                if engine.status_code == 200 and engine.json()["ready"] and beat.is_success:
+                    break
+            time.sleep(0.05)
+    return {
+        "stop_s": round(stopped, 2),
+        "healthz_s": round(healthz, 2),
+        "serving_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def one_row(
+    store: str, ranks: int, *, db: Path | None, cluster: Any, quick: bool, log: Path
+) -> dict[str, Any]:
+    fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
+    warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
+    registry = RegistryProcess(store, host=HOST, log_path=log).start(timeout_s=60)
+    marks: list[float] = []
+    seen: dict[str, Any] = {}
+
+    def after_window() -> dict[str, Any]:
+        seen["rss_steady"] = rss_mib(registry.pid)
+        seen["reads"] = _reads(registry.url)
+        seen["store"] = (
+            _etcd_status(cluster) if cluster is not None else {"bytes": _store_bytes(db)}
+        )
+        seen["restart"] = _restart(registry, fleet)
+        return {}
+
+    try:
+        pid = registry.pid
+        rss_empty = rss_mib(pid)
+        cpu0 = cpu_seconds(pid)
+
+        def on_window(start: bool) -> None:
+            if start:
+                seen["rss_ready"] = rss_mib(pid)
+            marks.append(cpu_seconds(pid))
+
+        out = asyncio.run(
+            fleet_run(registry.url, fleet, warmup_s=warmup, window_s=window,
+                      handshakes_per_s=HANDSHAKES_PER_S, on_window=on_window,
+                      after_window=after_window)
+        )  # fmt: skip
+    finally:
+        registry.stop()
+    up, hold = out["launch"], out["steady"]
+    up["server_cpu_s_to_window"] = round(marks[0] - cpu0, 2)
+    hold["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
+    work = (hold["heartbeats_per_s"] + hold["handshakes_per_s"]) * window
+    hold["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, work) * 1e6)
+    return {
+        "ranks": ranks,
+        "groups": ranks // TP,
+        "blob_bytes": BLOB_BYTES,
+        "launch": up,
+        "steady": hold,
+        "after_window_statuses": out["after_window_statuses"],
+        "reads": seen["reads"],
+        "rss_mib": {"empty": rss_empty, "ready": seen["rss_ready"], "steady": seen["rss_steady"]},
+        "store": seen["store"],
+        "restart": seen["restart"],
+    }
+
+
+def ceiling(ranks: int, quick: bool) -> dict[str, Any]:
+    """The same steady state against a server that answers without work: the client's own
+    latency and CPU at this pace."""
+    port = free_port()
+    fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
+    fleet.engines = {g: f"e-{g}" for g in fleet.groups}
+    warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
+    url = f"http://{HOST}:{port}"
+    with process([sys.executable, "-m", "bench.minimal", "raw", str(port)]) as proc:
+        wait_http(url + "/", 30, proc)
+        out = asyncio.run(
+            fleet_run(url, fleet, warmup_s=warmup, window_s=window,
+                      handshakes_per_s=HANDSHAKES_PER_S, launch=False)
+        )  # fmt: skip
+    return dict(out["steady"])
+
+
+@contextlib.contextmanager
+def _etcd(tmp: Path) -> Iterator[Any]:
+    import os
+
+    from tests.support.etcd import EtcdCluster
+
+    saved = {k: os.environ.get(k) for k in ETCD_ENV}
+    os.environ.update(ETCD_ENV)
+    try:
+        with EtcdCluster(tmp / "etcd", size=3) as cluster:
+            yield cluster
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
+    rows: dict[str, list[dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as name:
+        tmp = Path(name)
+        for kind in stores:
+            if kind == "etcd":
+                ok, why = etcd_store_available()
+                if not ok:
+                    skipped["etcd"] = why
+                    continue
+            rows[kind] = []
+            for n in sizes:
+                busy = wait_quiet(0 if quick else QUIET_WAIT_S)
+                load = Path("/proc/loadavg").read_text().split()[:3]
+                say(f"fleet: {kind}, {n} ranks (machine {busy:.0%} busy, load {load})")
+                log = tmp / f"registry-{kind}-{n}.log"
+                try:
+                    if kind == "sqlite":
+                        db = tmp / f"fleet-{n}.db"
+                        row = one_row(f"sqlite:///{db}", n, db=db, cluster=None, quick=quick,
+                                      log=log)  # fmt: skip
+                    else:
+                        with _etcd(tmp / f"etcd-{n}") as cluster:
+                            row = one_row(cluster.url(f"fleet{n}"), n, db=None, cluster=cluster,
+                                          quick=quick, log=log)  # fmt: skip
+                except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                    tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+                    row = {"ranks": n, "failed": f"{type(exc).__name__}: {exc}"[:500], "log": tail}
+                row |= {"busy_before": busy, "load_before": load,
+                        "load_after": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
+                say(f"fleet: {kind}, {n} ranks: {json.dumps(row)}")
+                rows[kind].append(row)
+        say("fleet: the client's ceiling (bench.minimal raw)")
+        top = ceiling(max(sizes), quick)
+    return {"rows": rows, "skipped": skipped, "ceiling": {"ranks": max(sizes), **top},
+            "regions": REGIONS, "blob_bytes": BLOB_BYTES, "handshakes_per_s": HANDSHAKES_PER_S,
+            "load_average": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    sizes = [1000, 4000] if quick else [1000, 10_000, 100_000]
+    return measure(sizes, ["sqlite", "etcd"], quick)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes, short windows")
+    parser.add_argument("--ranks", default="", help="comma-separated fleet sizes (ranks)")
+    parser.add_argument("--store", default="sqlite,etcd", help="sqlite, etcd or both")
+    args = parser.parse_args(argv)
+    sizes = [int(n) for n in args.ranks.split(",") if n.strip()] or (
+        [1000, 4000] if args.quick else [1000, 10_000, 100_000]
+    )
+    stores = [s.strip() for s in args.store.split(",") if s.strip()]
+    print(json.dumps(measure(sizes, stores, args.quick), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The fleet's load, as the worker library makes it (``bench/fleet.py`` runs it).
+
+One aiohttp client process plays every node's leader (``workers.publication.BatchPublication``:
+a TP 8 group on one node, so one leader, one lease and one heartbeat stream per group):
+
+- **launch**: each group opens its engine (``PUT /tp-groups/{g}/engine``) and registers its
+  eight ranks in one request (``PUT …/engine/agents``, one shared lease of ``TTL_S``), 64
+  groups in flight; the fleet is ready when the last group's registration is answered;
+- **heartbeats**: from its registration on, each group renews its lease every ``TTL_S / 3``
+  seconds (the library's default pace) with ``POST …/agents/heartbeat``, at a phase of its
+  own, until the run ends (through the registry's restart too, as workers would);
+- **steady state**: once the fleet is ready, after ``warmup_s``, a window of ``window_s``
+  in which decode leaders also plan against random prefill engines
+  (``POST /engines/{id}/handshake``, the leader's plan for all eight prefill ranks) at
+  ``handshakes_per_s``; then ``after_window`` (the reads, the restart) runs in a thread while
+  the heartbeats go on.
+
+Latencies are from the client's send to its answer, so they include the client's own
+scheduling delay: ``lag`` (how late each heartbeat was sent against its schedule) is reported
+beside them, and ``bench/fleet.py`` runs the same pace against a server that does no work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from bench.common import summary_ms
+from bench.storm_core import COMPAT
+
+TP = 8
+TTL_S = 30  # the library's default lease
+HEARTBEAT_S = TTL_S / 3  # LeaseKeeper's default fraction
+IN_FLIGHT = 64
+PLANNERS = 4
+
+
+@dataclass
+class Fleet:
+    """The groups of a fleet of ``ranks`` (TP 8: half prefill, half decode)."""
+
+    ranks: int
+    blob_bytes: int
+    regions: int
+    engines: dict[str, str] = field(default_factory=dict)  # group id -> engine id
+
+    @property
+    def groups(self) -> list[str]:
+        n = self.ranks // TP
+        return [f"{'prefill' if i % 2 == 0 else 'decode'}-{i:06d}" for i in range(n)]
+
+    def agents(self, index: int, eid: str) -> list[dict[str, Any]]:
+        blob = base64.b64encode(os.urandom(self.blob_bytes)).decode()
+        base = 0x7F0000000000 + (index << 32)
+        return [
+            {
+                "rank": rank,
+                "engine_id": eid,
+                "agent_name": f"{eid}-rank{rank}",
+                "agent_metadata": blob,
+                "host": f"10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}",
+                "kv": {
+                    "mem_type": "VRAM",
+                    "device_id": rank,
+                    # one region per layer, as vLLM registers a 70B model's KV cache
+                    "base_addrs": [base + (rank << 28) + (r << 20) for r in range(self.regions)],
+                    "num_blocks": 86_000,
+                    "block_len": 65_536,
+                },
+                "ttl_s": TTL_S,
+            }
+            for rank in range(TP)
+        ]
+
+
+def _session(limit: int) -> aiohttp.ClientSession:
+    timeout = aiohttp.ClientTimeout(total=120)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=timeout)
+
+
+@dataclass
+class Run:
+    """What a run saw: latencies by phase, answers by status."""
+
+    opens: list[float] = field(default_factory=list)
+    registers: list[float] = field(default_factory=list)
+    beats: list[float] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)
+    plans: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=dict)
+    after: dict[str, int] = field(default_factory=dict)  # answers after the window
+    window: tuple[float, float] = (float("inf"), float("inf"))
+
+    def count(self, kind: str, status: int, sent: float) -> None:
+        into = self.after if sent >= self.window[1] else self.statuses
+        key = f"{kind} {status}"
+        into[key] = into.get(key, 0) + 1
+
+
+async def _beat(
+    s: aiohttp.ClientSession, url: str, run: Run, gid: str, eid: str, phase: float,
+    stop: asyncio.Event, again: Callable[[], dict[str, Any]] | None = None,
+) -> None:  # fmt: skip
+    """Renew every ``HEARTBEAT_S``; after a 404 (the lease lapsed) register again with
+    ``again()``'s body, as ``BatchPublication`` does."""
+    body = {"engine_id": eid, "ranks": list(range(TP))}
+    due = time.perf_counter() + phase
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(0.0, due - time.perf_counter()))
+            return
+        sent = time.perf_counter()
+        try:
+            async with s.post(f"{url}/tp-groups/{gid}/engine/agents/heartbeat", json=body) as r:
+                await r.read()
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError):
+            status = 0  # the registry unreachable (its restart): the next beat tries again
+        done = time.perf_counter()
+        if run.window[0] <= sent < run.window[1]:
+            run.beats.append(done - sent)
+            run.lags.append(sent - due)
+        run.count("heartbeat", status, sent)
+        if status == 404 and again is not None:
+            async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=again()) as r:
+                await r.read()
+                run.count("re-register", r.status, sent)
+        due += HEARTBEAT_S
+
+
+async def _group(
+    s: aiohttp.ClientSession, url: str, fleet: Fleet, run: Run, index: int, gid: str,
+    gate: asyncio.Semaphore, stop: asyncio.Event, beats: list[asyncio.Task[None]],
+) -> None:  # fmt: skip
+    role = "prefill" if gid.startswith("prefill") else "decode"
+    body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
+    async with gate:
+        t = time.perf_counter()
+        async with s.put(f"{url}/tp-groups/{gid}/engine", json=body) as r:
+            answer = await r.json()
+            run.opens.append(time.perf_counter() - t)
+            if r.status not in (200, 201):
+                run.errors.append(f"open {gid}: {r.status}")
+                return
+        eid = answer["engine_id"]
+        agents = {"agents": fleet.agents(index, eid)}
+        t = time.perf_counter()
+        async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=agents) as r:
+            await r.read()
+            run.registers.append(time.perf_counter() - t)
+            if r.status != 200:
+                run.errors.append(f"register {gid}: {r.status}")
+                return
+        fleet.engines[gid] = eid
+    phase = random.Random(index).uniform(0, HEARTBEAT_S)
+    again = lambda: {"agents": fleet.agents(index, eid)}  # noqa: E731
+    beats.append(asyncio.create_task(_beat(s, url, run, gid, eid, phase, stop, again)))
+
+
+async def _planner(
+    s: aiohttp.ClientSession, url: str, run: Run, prefill: list[str], rate: float, seed: int
+) -> None:
+    rng = random.Random(seed)
+    body = {"tp_size": 1, "rank": 0, "compat": COMPAT}
+    due = run.window[0]
+    while due < run.window[1]:
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        sent = time.perf_counter()
+        async with s.post(f"{url}/engines/{rng.choice(prefill)}/handshake", json=body) as r:
+            await r.read()
+            run.plans.append(time.perf_counter() - sent)
+            run.count("handshake", r.status, sent)
+        due += PLANNERS / rate
+
+
+async def fleet_run(
+    url: str, fleet: Fleet, *, warmup_s: float, window_s: float, handshakes_per_s: float,
+    on_window: Callable[[bool], None] | None = None,
+    after_window: Callable[[], dict[str, Any]] | None = None, launch: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """Launch (unless ``launch`` is False: ``fleet.engines`` is given), heartbeats, the
+    window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends."""
+    run, stop = Run(), asyncio.Event()
+    gate = asyncio.Semaphore(IN_FLIGHT)
+    beats: list[asyncio.Task[None]] = []
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {}
+    async with _session(0) as s:
+        if launch:
+            await asyncio.gather(
+                *(_group(s, url, fleet, run, i, g, gate, stop, beats)
+                  for i, g in enumerate(fleet.groups))
+            )  # fmt: skip
+            ready = time.perf_counter() - t0
+            out["launch"] = {
+                "ready_s": round(ready, 2),
+                "ranks_per_s": round(fleet.ranks / ready),
+                "open": summary_ms(run.opens),
+                "register": summary_ms(run.registers),
+                "errors": len(run.errors),
+                "first_errors": run.errors[:5],
+                "client_cpu_s": round(time.process_time() - cpu0, 2),
+            }
+        else:
+            rng = random.Random(3)
+            beats += [
+                asyncio.create_task(_beat(s, url, run, g, e, rng.uniform(0, HEARTBEAT_S), stop))
+                for g, e in fleet.engines.items()
+            ]
+        start = time.perf_counter() + warmup_s
+        run.window = (start, start + window_s)
+        prefill = [eid for gid, eid in fleet.engines.items() if gid.startswith("prefill")]
+        await asyncio.sleep(warmup_s)
+        if on_window:
+            on_window(True)
+        cpu1 = time.process_time()
+        if prefill and handshakes_per_s > 0:
+            await asyncio.gather(
+                *(_planner(s, url, run, prefill, handshakes_per_s, k) for k in range(PLANNERS))
+            )
+        await asyncio.sleep(max(0.0, run.window[1] - time.perf_counter()))
+        if on_window:
+            on_window(False)
+        client = time.process_time() - cpu1
+        if after_window:
+            out["after_window"] = await asyncio.to_thread(after_window)
+        stop.set()
+        await asyncio.gather(*beats)
+    out["steady"] = {
+        "window_s": window_s,
+        "heartbeat": summary_ms(run.beats),
+        "heartbeats_per_s": round(len(run.beats) / window_s, 1),
+        "client_lag": summary_ms(run.lags),
+        "handshake": summary_ms(run.plans),
+        "handshakes_per_s": round(len(run.plans) / window_s, 1),
+        "statuses": run.statuses,
+        "client_cpu_share": round(client / window_s, 3),
+    }
+    out["after_window_statuses"] = run.after
+    return out
