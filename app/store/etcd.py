@@ -1,6 +1,5 @@
-"""The etcd store: a thin translation of the storage interface onto an etcd v3 cluster, one
-gRPC channel per endpoint (``aetcd``'s stubs, asyncio; TLS and auth in ``etcd_conn``) and one
-RPC per call:
+"""The etcd store: the storage interface on an etcd v3 cluster, one gRPC channel per endpoint
+(``aetcd``'s stubs, asyncio; TLS and auth in ``etcd_conn``), one RPC per call:
 
 - a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
   header's revision answers, won or lost; a prefix delete is a DeleteRange;
@@ -9,29 +8,28 @@ RPC per call:
   ``lease_cache_s`` (default: a third of its TTL, the renewal period) however many readers
   want it. A lease only gains time (a renewal through another replica), so the figure is a
   lower bound: asked again when it runs out with the entry still there;
-- ``range`` is one linearizable Range (never stale from a member without quorum);
+- ``range`` is one linearizable Range (never stale), a prefix in pages (``etcd_range``);
 - ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
   every waiter, an answer from another member than a watch's makes its waiters re-read.
 
-Every call has one deadline, ``timeout_s``, shared among the endpoints (the preferred first,
-each a fair share of the time left, carried by gRPC); at most ``max_in_flight`` calls are in
-flight, the rest queue within it (``etcd_cluster``). Whatever goes wrong surfaces as
-:class:`Unavailable`, never as a hang. Keys live under ``/{prefix}/``.
+Every call has one deadline, ``timeout_s``, shared among the endpoints (the preferred first, a
+fair share of the time left each); at most ``max_in_flight`` calls in flight, the rest queue
+(``etcd_cluster``). Any failure is :class:`Unavailable`, never a hang. Keys: ``/{prefix}/``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from app.store import etcd_watch
+from app.store import etcd_range, etcd_watch
 from app.store.base import (
     ChangeBatch,
     Compare,
@@ -47,10 +45,6 @@ from app.store.base import (
 from app.store.etcd_cluster import Cluster
 from app.store.etcd_config import EtcdAccess, EtcdUrl, parse_url
 from app.store.etcd_state import LeaseBook, WatchHub
-
-# Keys a Range answers at most (later pages follow): an agent's record is about 1.5 KiB with
-# 80 KV regions, so a page stays near 1.5 MiB, far below gRPC's 16 MiB cap on an answer.
-RANGE_PAGE = 1000
 
 
 class EtcdStore(Store):
@@ -134,8 +128,7 @@ class EtcdStore(Store):
             raise Unavailable(exc.detail) from exc  # each reader its own
 
     def _send_read(self, key: bytes, end: bytes) -> asyncio.Future[Any]:
-        # A prefix's first page (see _read_prefix); a single key has no page.
-        request = rpc.RangeRequest(key=key, range_end=end, limit=RANGE_PAGE if end else 0)
+        request = etcd_range.first_page(key, end)  # a prefix's first page (_read_prefix)
 
         def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
             settle(read)  # sent: later readers need a read of their own
@@ -164,21 +157,9 @@ class EtcdStore(Store):
         return Snapshot(entries, revision, remaining)
 
     async def _read_prefix(self, prefix: str) -> tuple[list[Any], int]:
-        """Every key under ``prefix`` as of one revision, in pages of ``RANGE_PAGE`` keys:
-        one answer for a whole fleet's records (15 MiB at 10,000 ranks of 80 KV regions)
-        passes gRPC's message cap and fails. The first page is the linearizable read; the
-        later pages read at its revision, so the whole is one snapshot."""
-        start = self._key(prefix)
-        end = prefix_range_end(start)
-        reply = await self._read(start, end)
-        kvs, revision = list(reply.kvs), int(reply.header.revision)
-        while reply.more:
-            request = rpc.RangeRequest(
-                key=kvs[-1].key + b"\0", range_end=end, limit=RANGE_PAGE, revision=revision
-            )
-            reply = await self._call("read", _ranged(request))
-            kvs.extend(reply.kvs)
-        return kvs, revision
+        """Every key under ``prefix`` at one revision, in pages; the first is linearizable."""
+        start, end = self._key(prefix), prefix_range_end(self._key(prefix))
+        return await etcd_range.rest(self._call, await self._read(start, end), end)
 
     async def _remaining(self, leases: set[int]) -> dict[int, float]:
         known = {lease: self._leases.remaining(lease) for lease in leases}
@@ -418,11 +399,3 @@ class EtcdStore(Store):
                 task.cancel()
         self._hubs.clear()
         await self._cluster.close()
-
-
-def _ranged(request: Any) -> Callable[[aetcd.Client, float], Awaitable[Any]]:
-    def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
-        reply: Awaitable[Any] = client.kvstub.Range(request, timeout=seconds)
-        return reply
-
-    return send

@@ -97,7 +97,7 @@ def test_a_prefix_larger_than_one_grpc_answer_reads_whole_as_one_snapshot() -> N
     began is not in it."""
 
     async def body() -> None:
-        from app.store.etcd import RANGE_PAGE
+        from app.store.etcd_range import RANGE_PAGE
 
         store = EtcdStore([live_endpoint()], uuid.uuid4().hex)
         value = bytes(range(256)) * 32  # 8 KiB
