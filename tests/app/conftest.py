@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.chromium import CHROMIUM, Chromium, chromium
+from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import RECOVERY, write_recovery
 from tests.support.pki import Pki
@@ -17,6 +19,15 @@ from tests.support.server import RegistryProcess
 ADMIN = "admin-token-5d2c0f7e8a61"
 WORKER = "worker-token-b81e44a0c9"
 READER = "reader-token-7f3a9c1d2e"
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
+    """A real headless Chromium, one per module that drives the status page."""
+    if CHROMIUM is None:
+        pytest.skip(NO_CHROMIUM)
+    with chromium(tmp_path_factory.mktemp("chromium")) as b:
+        yield b
 
 
 @pytest.fixture(scope="session")

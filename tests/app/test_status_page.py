@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.app.api.conftest import agent_body, launch
-from tests.support.chromium import CHROMIUM, Chromium, chromium
+from tests.support.chromium import CHROMIUM, Chromium
 from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
 from tests.support.server import RegistryProcess
 
@@ -109,14 +109,6 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
                 ("prefill-partial", 3)
             ]
         yield proc
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
-    if CHROMIUM is None:
-        pytest.skip(NO_CHROMIUM)
-    with chromium(tmp_path_factory.mktemp("chromium")) as b:
-        yield b
 
 
 def _page_url(registry: RegistryProcess, query: str = "") -> str:

@@ -18,8 +18,7 @@ import pytest
 
 from app.status_html import PAGE_BUDGET
 from tests.app.api.conftest import agent_body, launch
-from tests.support.chromium import CHROMIUM, Chromium, chromium
-from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
+from tests.support.chromium import Chromium
 from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.ui
@@ -63,14 +62,6 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
             ]
             _register(c, gid, agents)
         yield proc
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
-    if CHROMIUM is None:
-        pytest.skip(NO_CHROMIUM)
-    with chromium(tmp_path_factory.mktemp("chromium")) as b:
-        yield b
 
 
 def _groups(browser: Chromium) -> list[str]:
