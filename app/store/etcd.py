@@ -3,11 +3,10 @@
 
 - a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
   header's revision answers, won or lost; a prefix delete is a DeleteRange;
-- leases are etcd leases, expiring on the cluster's clock with no registry alive; what one
-  has left is known when this store granted or renewed it, else asked once per
-  ``lease_cache_s`` (default: a third of its TTL, the renewal period) however many readers
-  want it. A lease only gains time (a renewal through another replica), so the figure is a
-  lower bound: asked again when it runs out with the entry still there;
+- leases are etcd leases, expiring on the cluster's clock; what one has left is known when
+  this store granted or renewed it, else asked once per ``lease_cache_s`` (default: a third
+  of its TTL) however many readers want it. A lease only gains time (renewed through another
+  replica): the figure is a lower bound, asked again when it runs out;
 - ``range`` is one linearizable Range (never stale), a prefix in pages (``etcd_range``);
 - ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
