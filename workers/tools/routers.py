@@ -6,17 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import BinaryIO
 
 import httpx
 
-from workers.tools.procs import ROOT, free_port, log_tail
+from workers.tools.procs import Proc, free_port, log_tail
 
 
 def vllm_router_binary() -> str:
@@ -32,37 +29,27 @@ def vllm_router_binary() -> str:
 
 
 class _Process:
+    """A `Proc` (its own process group, logging to a file) that can be started again."""
+
     def __init__(self, name: str, log_path: Path) -> None:
         self.name = name
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: BinaryIO | None = None
+        self.proc: Proc | None = None
 
     def _spawn(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            list(cmd), cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = Proc(self.name, cmd, environ, self.log_path)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive()
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
         self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
 
 class VllmRouterProcess(_Process):
