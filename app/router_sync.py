@@ -31,7 +31,8 @@ from app.compat import mismatches
 
 log = logging.getLogger("engine_registry.router_sync")
 
-ROUTER_EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
+ROUTER_EXPIRY_S = 5.0
+DECODING = ("decode", "both")  # vllm-router forgets an instance not announced for this long
 
 
 @dataclass(frozen=True)
@@ -84,16 +85,15 @@ def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offere
             left_out[engine.group_id] = f"url {published['url']} is not http://host:port"
         else:
             serving.append((engine, published))
-    decodes = [(e, s) for e, s in serving if e.role in ("decode", "both")]
-    if model is None and decodes:
-        model = str(decodes[0][1]["model"])
+    if model is None:  # the oldest decode instance's
+        model = next((str(s["model"]) for e, s in serving if e.role in DECODING), None)
     kept: list[tuple[Any, dict[str, Any]]] = []
     for engine, published in serving:
         if model is not None and published["model"] != model:
             left_out[engine.group_id] = f"serves model {published['model']!r}, not {model!r}"
         else:
             kept.append((engine, published))
-    decode_pool = [e for e, _ in kept if e.role in ("decode", "both")]
+    decode_pool = [e for e, _ in kept if e.role in DECODING]
     anchor = decode_pool[0] if decode_pool else None
     decodes_ok = [d for d in decode_pool if anchor is None or not _differ(d, [anchor])]
     offered: list[Offered] = []

@@ -72,19 +72,19 @@ async def read_instances(
         if _wanted(role, model, record, decoded.record(serving_entry, ServingRecord)):
             candidates.append(gid)
     found: list[dict[str, Any]] = []
-    last = ""
+    last = ""  # the last group this page consumed: the next page starts after it
     more = False
     for start in range(0, len(candidates), limit):
-        chunk = candidates[start : start + limit]
-        for engine in await views(store, decoded, groups, chunk, revision):
-            if len(found) >= limit:
-                more = True
-                break
-            last = engine.group_id
+        for engine in await views(
+            store, decoded, groups, candidates[start : start + limit], revision
+        ):
             if engine.ready and engine.serving is not None:
+                if len(found) == limit:
+                    more = True
+                    break
                 found.append(instance(engine))
-        if more or len(found) >= limit:
-            more = more or start + limit < len(candidates)
+            last = engine.group_id
+        if more:
             break
     follow = json.dumps(encode_token(revision, last, selector)) if more else "null"
     return b'{"instances":%s,"revision":%d,"continue":%s}' % (
