@@ -53,7 +53,13 @@ class KvSpec:
             num_blocks=int(data["num_blocks"]),
             block_len=int(data["block_len"]),
             num_heads=int(data.get("num_heads", 0)),
+            extra={k: v for k, v in data.items() if k not in _KV_MEMBERS},
         )
+
+
+_KV_MEMBERS = frozenset(
+    {"mem_type", "device_id", "base_addrs", "num_blocks", "block_len", "num_heads"}
+)
 
 
 @dataclass(frozen=True)
