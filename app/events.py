@@ -120,7 +120,8 @@ class EventLog:
         self._refusals: dict[Hashable, Event] = {}  # buffered, by fold key
         self._others: dict[Hashable, Event] = {}
         self._distinct: dict[tuple[str, str], int] = {}  # refusals by (kind, group) this flush
-        self._seen: dict[str, dict[int, set[int]]] = {}  # engine_id -> decode TP -> ranks
+        # engine_id -> (decode TP, decode group or "") -> ranks
+        self._seen: dict[str, dict[tuple[int, str], set[int]]] = {}
         self._seen_ranks = 0
         self._parsed: dict[str, Event] = {}
         self._stored: int | None = None  # events in the store, as last counted plus written
@@ -193,13 +194,16 @@ class EventLog:
         decode_tp_size: int,
         decode_rank: int,
         target_ranks: list[int],
+        decode: dict[str, str] | None = None,
     ) -> None:
         """The first plan of this decode rank against this engine; again: nothing. What is
         remembered is bounded (``SEEN_LIMIT`` ranks in all), and so is what an event lists
-        (``LIST_ITEMS`` ranks of each kind, with ``decode_rank_count``)."""
-        key = (engine_id, decode_tp_size)
+        (``LIST_ITEMS`` ranks of each kind, with ``decode_rank_count``). ``decode`` names
+        the asking side (``group_id``, ``engine_id``) when it said."""
+        side = (decode_tp_size, (decode or {}).get("group_id", ""))
+        key = (engine_id, *side)
         by_tp = self._seen.get(engine_id)
-        ranks = None if by_tp is None else by_tp.get(decode_tp_size)
+        ranks = None if by_tp is None else by_tp.get(side)
         if ranks is not None and decode_rank in ranks:
             return
         if self._seen_ranks >= SEEN_LIMIT:
@@ -207,7 +211,7 @@ class EventLog:
             self._seen_ranks = 0
             ranks = None
         if ranks is None:
-            ranks = self._seen.setdefault(engine_id, {}).setdefault(decode_tp_size, set())
+            ranks = self._seen.setdefault(engine_id, {}).setdefault(side, set())
         ranks.add(decode_rank)
         self._seen_ranks += 1
         held = self._others.get(("handshake", key))
@@ -226,6 +230,8 @@ class EventLog:
             "decode_rank_count": 1,
             "target_ranks": _some([], target_ranks),
         }
+        if decode:
+            fields.update({f"decode_{k}": v for k, v in decode.items()})
         self.record("handshake", group_id, _handshake_detail(fields), key, fields)
 
     def forget_engines(self, engine_ids: Iterable[str]) -> None:
@@ -368,8 +374,9 @@ def _some(ranks: list[int], more: list[int]) -> list[int]:
 def _handshake_detail(f: dict[str, Any]) -> str:
     n = f.get("decode_rank_count", len(f["decode_ranks"]))
     shown = _ranks(f["decode_ranks"]) + (f"… ({n} ranks)" if n > len(f["decode_ranks"]) else "")
+    group = f"decode group {f['decode_group_id']!r} " if f.get("decode_group_id") else "decode "
     return (
-        f"decode TP {f['decode_tp_size']} ranks {shown} planned against "
+        f"{group}TP {f['decode_tp_size']} ranks {shown} planned against "
         f"prefill engine {f['engine_id']} (generation {f['generation']}), target ranks "
         f"{_ranks(f['target_ranks'])}"
     )

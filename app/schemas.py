@@ -144,10 +144,18 @@ class EngineIdBody(_Request):
     engine_id: Token
 
 
+class DecodeSide(_Request):
+    """Who asks for a handshake: the decode group and its engine (for events and pages)."""
+
+    group_id: Token
+    engine_id: Token | None = None
+
+
 class HandshakeRequest(_Request):
     tp_size: TpSize
     rank: Rank
     compat: Compat | None = None
+    decode: DecodeSide | None = None
 
     @model_validator(mode="after")
     def _rank_in_group(self) -> HandshakeRequest:

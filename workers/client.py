@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -369,11 +369,16 @@ class RegistryClient:
         tp_size: int,
         rank: int,
         compat: Compat | None = None,
+        decode: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> Handshake:
+        """What this decode rank loads; ``decode`` (``group_id``, ``engine_id``) names the
+        asking side in the registry's handshake event."""
         body: dict[str, Any] = {"tp_size": tp_size, "rank": rank}
         if compat is not None:
             body["compat"] = compat
+        if decode is not None:
+            body["decode"] = dict(decode)
         r = self.request("POST", f"/engines/{engine_id}/handshake", json=body, timeout_s=timeout_s)
         return Handshake.from_json(r.json())
 

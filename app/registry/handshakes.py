@@ -87,9 +87,11 @@ class HandshakesMixin(RegistryBase):
                     expires_at=utc_iso(state.expires_at[r]),
                 )
             )
+        decode = None if req.decode is None else req.decode.model_dump(exclude_none=True)
         self.events.handshake(
-            engine_id, engine.group_id, engine.generation, req.tp_size, req.rank, plan.target_ranks
-        )
+            engine_id, engine.group_id, engine.generation, req.tp_size, req.rank,
+            plan.target_ranks, decode,
+        )  # fmt: skip
         return Handshake.model_construct(
             engine_id=engine.engine_id,
             group_id=engine.group_id,
