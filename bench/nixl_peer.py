@@ -26,6 +26,10 @@ READY = "BENCH-READY "
 def _agent(name: str, progress_thread: bool = True) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
+    from workers import nixl_progress
+
+    nixl_progress.apply()  # ENGINE_REGISTRY_NIXL_PROGRESS_US, as every agent of the project
+
     config = nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     return nixl_agent(name, config)
 
@@ -94,6 +98,7 @@ def target(size: int) -> None:
     _ready(
         {
             "name": name,
+            "pid": os.getpid(),
             "addr": memory.data_ptr(),
             "size": size,
             "metadata": base64.b64encode(bytes(agent.get_agent_metadata())).decode(),

@@ -57,6 +57,9 @@ class NixlEndpoint:
     def __init__(self, agent_name: str, *, backends: tuple[str, ...] = ("UCX",)) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        from workers import nixl_progress
+
+        nixl_progress.apply()  # its progress thread waits for events (workers/nixl_progress.py)
         self.name = agent_name
         self.agent: Any = nixl_agent(agent_name, nixl_agent_config(backends=list(backends)))
         self._registered: list[Any] = []
