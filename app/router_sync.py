@@ -142,7 +142,7 @@ class VllmRouter:
         self.socket.connect(f"tcp://{address}")
 
     def announce(self, offered: Sequence[Offered]) -> None:
-        import msgpack  # type: ignore[import-untyped]
+        import msgpack
         import zmq
 
         for item in offered:

@@ -67,8 +67,9 @@ def install() -> None:
     settings = PluginSettings.from_env()
     if first:
         check_token(settings)
-        from workers.vllm_plugin import serving
+        from workers.vllm_plugin import metrics, serving
 
+        metrics.serve_from_first_process()
         serving.start(settings, sys.argv)
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

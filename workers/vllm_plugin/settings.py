@@ -8,7 +8,7 @@ what is expected. A new setting is a new field (docs/configuration.md lists them
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +63,15 @@ class PluginSettings(BaseSettings):
     check_remote: bool = Field(
         True, description="a decode handshake asks the registry first (false: vLLM alone)"
     )
+    handshake: Literal["registry", "side-channel"] = Field(
+        "registry",
+        description="registry: decode loads prefill ranks from the registry; side-channel: "
+        "vLLM's ZMQ side channel",
+    )
+    nixl_progress_us: int = Field(
+        1000, ge=0, le=1_000_000,
+        description="NIXL progress thread: wait for events up to this many us (0: busy poll)",
+    )  # fmt: skip
     advertise_url: str = Field(
         "", description="the URL routers reach this instance's API at (default: from --port)"
     )

@@ -12,6 +12,7 @@ recompute``); any other answer, or none (registry unreachable), leaves the hands
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from workers.errors import EngineSuperseded, NotFound, RegistryError
@@ -22,10 +23,25 @@ from workers.vllm_plugin.settings import PluginSettings
 
 CHECK_S = 1.0
 MARK = "engine-registry: stale remote engine"
+SIDE_CHANNEL_MARK = "engine-registry: handshake"
 
 
 class StaleRemoteEngine(RuntimeError):
     """The registry says the request's prefill engine is superseded or unknown."""
+
+
+def why_stale(exc: EngineSuperseded | NotFound, engine_id: str) -> str:
+    """The log line and error of a refused handshake: which engine, why, what to do."""
+    if isinstance(exc, EngineSuperseded):
+        return (
+            f"{MARK} {engine_id}: superseded by generation {exc.current_generation} (engine "
+            f"{exc.current_engine_id}): its prefill group was relaunched; the request carries "
+            "an old remote_engine_id (send it through the current prefill)"
+        )
+    return (
+        f"{MARK} {engine_id}: unknown to the registry (never issued, or its group was "
+        "deleted): the request names an engine of another registry or a deleted group"
+    )
 
 
 def verdict(client: Any, engine_id: str) -> str | None:
@@ -33,17 +49,8 @@ def verdict(client: Any, engine_id: str) -> str | None:
     base, _ = split_dp_suffix(engine_id)
     try:
         client.resolve_engine(base, timeout_s=CHECK_S)
-    except EngineSuperseded as exc:
-        return (
-            f"{MARK} {engine_id}: superseded by generation {exc.current_generation} (engine "
-            f"{exc.current_engine_id}): its prefill group was relaunched; the request carries "
-            "an old remote_engine_id (send it through the current prefill)"
-        )
-    except NotFound:
-        return (
-            f"{MARK} {engine_id}: unknown to the registry (never issued, or its group was "
-            "deleted): the request names an engine of another registry or a deleted group"
-        )
+    except (EngineSuperseded, NotFound) as exc:
+        return why_stale(exc, engine_id)
     except RegistryError:
         return None  # no answer in time: vLLM's own handshake decides
     return None
@@ -63,7 +70,13 @@ def guard(worker: Any, settings: PluginSettings) -> bool:
         if why is not None:
             log.warning("%s (side channel %s:%s not dialed)", why, host, port)
             raise StaleRemoteEngine(why)
-        return handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs)
+        t0 = time.perf_counter()
+        result = handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs)
+        log.info(
+            "%s with engine %s over vLLM's side channel %s:%s in %.3f s",
+            SIDE_CHANNEL_MARK, expected_engine_id, host, port, time.perf_counter() - t0,
+        )  # fmt: skip
+        return result
 
     worker._nixl_handshake = checked
     return True

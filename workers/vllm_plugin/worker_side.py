@@ -11,6 +11,7 @@ registered again after a 404, stopped on a 409) and deregistered on shutdown or 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -22,9 +23,10 @@ from workers.errors import EngineIdentityError, RegistryError
 from workers.identity import sync_engine_id
 from workers.models import AgentItem, EngineIdentity, KvSpec
 from workers.publication import Publication
-from workers.vllm_plugin import common, kv_watch, stale
+from workers.vllm_plugin import common, kv_watch, stale, via_registry
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import compat_of
+from workers.vllm_plugin.decode_side import attach_decode_side
 from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
 
 
@@ -38,6 +40,9 @@ class _State:
     group_id: str = ""
     rank: int = 0
     size: int = 1
+    pp_size: int = 1
+    compat: dict[str, Any] = field(default_factory=dict)
+    clock: float = 0.0  # node 0's perf_counter - time.time(), broadcast from rank 0
     publication: Publication | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -53,6 +58,7 @@ def worker_sync(config: Any) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 
         settings = PluginSettings.from_env()
+        _nixl_progress(settings)
         group_id, dp_size, dp_rank = common.group_id(config, settings)
         tp = get_tp_group()
         pp = get_pp_group()
@@ -70,6 +76,7 @@ def worker_sync(config: Any) -> None:
             )
         rank = pp_rank * int(tp.world_size) + tp_rank
         before = config.kv_transfer_config.engine_id
+        compat = compat_of(config)
         with common.client(settings) as client:
             try:
                 identity = sync_engine_id(
@@ -77,7 +84,7 @@ def worker_sync(config: Any) -> None:
                     group_id,
                     tp_size=size,
                     role=common.role(config, settings),
-                    compat=compat_of(config),
+                    compat=compat,
                     group=pg,
                     cpu_group=pg,
                     launch_id=settings.launch_id,
@@ -102,6 +109,9 @@ def worker_sync(config: Any) -> None:
         _state.group_id = group_id
         _state.rank = rank
         _state.size = size
+        _state.pp_size = int(pp.world_size)
+        _state.compat = dict(compat)
+        _state.clock = _node0_clock(pg)
         log.info(
             "engine-registry: rank %d/%d (tp_rank %d, pp_rank %d) of group %r uses the "
             "registry's engine_id %s (generation %d, was %s)",
@@ -114,6 +124,26 @@ def worker_sync(config: Any) -> None:
             identity.generation,
             before,
         )
+
+
+def _nixl_progress(settings: PluginSettings) -> None:
+    """This worker's NIXL agent (made right after) waits for events (workers/nixl_progress.py).
+    vLLM's own NIXL module is imported first: it sets UCX variables before NIXL loads."""
+    from workers import nixl_progress
+
+    with contextlib.suppress(ImportError):
+        import vllm.distributed.nixl_utils  # noqa: F401
+    nixl_progress.apply(settings.nixl_progress_us)
+
+
+def _node0_clock(pg: Any) -> float:
+    """Rank 0's ``perf_counter() - time()``, on every rank: rank 0 runs on node 0, beside
+    vLLM's scheduler, whose perf_counter stamps the KV blocks' expiry a decode checks."""
+    import torch.distributed as dist
+
+    clock: list[Any] = [via_registry.clock_reference() if dist.get_rank(pg) == 0 else None]
+    dist.broadcast_object_list(clock, src=dist.get_global_rank(pg, 0), group=pg)
+    return float(clock[0])
 
 
 def _exit_soon(delay_s: float) -> None:
@@ -168,6 +198,15 @@ def agent_item(connector: Any, config: Any) -> AgentItem:
     if worker is not None and agent is not None:
         name = str(getattr(agent, "name", name))
         metadata = bytes(agent.get_agent_metadata())
+        payload = getattr(worker, "xfer_handshake_metadata", None)
+        if payload is not None:
+            # What vLLM's side channel serves for this rank, byte for byte: a decode loads
+            # it from the registry (`via_registry`) without dialing the side channel.
+            import msgspec
+
+            metadata = msgspec.msgpack.Encoder().encode(payload)
+            extra["blob"] = via_registry.BLOB_FORMAT
+            extra["scheduler_clock"] = _state.clock
         addrs = getattr(worker, "kv_caches_base_addr", {}).get(worker.engine_id, {})
         lens = list(getattr(worker, "block_len_per_layer", []) or [1])
         extra["kv_cache_layout"] = str(getattr(worker, "kv_cache_layout", ""))
@@ -243,7 +282,14 @@ def attach_publication(connector: Any, config: Any) -> None:
     settings = _state.settings
     if settings is not None:
         kv_watch.attach(connector, kv_watch.KvWatch(warn_s=settings.kv_wait_warn_s))
-        if settings.check_remote:
-            stale.guard(getattr(connector, "connector_worker", None), settings)
+        worker = getattr(connector, "connector_worker", None)
+        if worker is not None and common.role(config, settings) != "prefill":
+            side = via_registry.DecodeSide(
+                tp_size=_state.size, rank=_state.rank, compat=_state.compat,
+                group_id=_state.group_id, engine_id=_state.engine_id,
+            )  # fmt: skip
+            attached = _state.pp_size == 1 and attach_decode_side(worker, settings, side)
+            if not attached and settings.check_remote:
+                stale.guard(worker, settings)
     if shutdown is not None:
         connector.shutdown = deregister_then_shutdown

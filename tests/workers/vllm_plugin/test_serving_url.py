@@ -3,6 +3,8 @@ URL routers are told and the one the API server polls itself at, from its comman
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from workers.vllm_plugin.serving import serving_urls, start
@@ -11,7 +13,7 @@ from workers.vllm_plugin.settings import PluginSettings
 pytestmark = pytest.mark.unit
 
 
-def settings(**extra: str) -> PluginSettings:
+def settings(**extra: Any) -> PluginSettings:
     return PluginSettings(url="http://127.0.0.1:8500", group="g", **extra)
 
 
