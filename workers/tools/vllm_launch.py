@@ -70,7 +70,11 @@ class Instance:
     workdir: Path
     tp: int = 1
     nodes: int = 1
-    cores: Sequence[str] = ("0",)
+    # VLLM_CPU_OMP_THREADS_BIND per node. Not pinned by default: on a 2-core machine a decode
+    # worker pinned to the core of a prefill node busy-waits for its KV pull while the prefill's
+    # threads there (NIXL's progress thread among them, which the READ needs) get no CPU at
+    # all for a minute: the relaunch hang of docs/vllm-plugin.md "Pinned to one core".
+    cores: Sequence[str] = ("nobind",)
     registry_url: str | None = None
     registry_token: str | None = None
     group: str | None = None
@@ -162,6 +166,14 @@ class Instance:
 
     def tails(self, n: int = 3000) -> str:
         return "\n".join(f"--- {p.name} ---\n{p.text()[-n:]}" for p in self.procs)
+
+    def kill(self) -> None:
+        """``kill -9`` every process of every node at once (a crash: nothing deregisters)."""
+        for proc in self.procs:
+            proc.signal(signal.SIGKILL)
+        for proc in self.procs:
+            proc.stop(grace_s=0.0)
+        self.procs = []
 
     def stop(self) -> None:
         # Headless nodes first would leave node 0 waiting in a collective; stop all at once.
@@ -282,12 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = registry.url if registry else None
         token = registry.tokens.worker if registry else None
         prefill = Instance(
-            "prefill", model, workdir, tp=2, nodes=2, cores=("0", "1"),
+            "prefill", model, workdir, tp=2, nodes=2,
             registry_url=url, registry_token=token, group="prefill-0", role="prefill",
         ).start()  # fmt: skip
         started.append(prefill)
         decode = Instance(
-            "decode", model, workdir, cores=("1",), registry_url=url, registry_token=token,
+            "decode", model, workdir, registry_url=url, registry_token=token,
             group="decode-0", role="decode",
         ).start()  # fmt: skip
         started.append(decode)

@@ -42,11 +42,14 @@ def pd_complete(
     *,
     timeout_s: float = PD_TIMEOUT_S,
     decode_logs: Callable[[], str] | None = None,
+    side_channel_port: int | None = None,
 ) -> tuple[httpx.Response, dict[str, Any]]:
     """Prefill (max_tokens 1, do_remote_decode), then decode with prefill's kv_transfer_params.
 
     Returns decode's response and the kv_transfer_params prefill handed over. Raises
-    `PDTimeout` when the two together take longer than `timeout_s`.
+    `PDTimeout` when the two together take longer than `timeout_s`. ``side_channel_port``
+    replaces the prefill's side-channel port in what decode gets (a closed port proves which
+    way decode's handshake went).
     """
     prefill_body = dict(body)
     prefill_body.update(
@@ -69,6 +72,8 @@ def pd_complete(
             first = _post(http, f"{prefill_url}/v1/completions", prefill_body, deadline)
             first.raise_for_status()
             params = dict(first.json().get("kv_transfer_params") or {})
+            if side_channel_port is not None:
+                params["remote_port"] = side_channel_port
             decode_body = dict(body)
             decode_body["kv_transfer_params"] = params
             stage = f"decode {decode_url} (pulling KV from engine {params.get('remote_engine_id')})"

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,11 +36,15 @@ from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 
 NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "workers" / "vllm_plugin" / "nofix")}
 DEBUG_ENV = {"VLLM_LOGGING_LEVEL": "DEBUG", "NIXL_LOG_LEVEL": "INFO", "UCX_LOG_LEVEL": "info"}
+# VLLM_CPU_OMP_THREADS_BIND per node: (prefill node 0, node 1), (decode). "pinned" shares core 1
+# between prefill's node 1 and decode (the tier's layout until it hung); "nobind" pins nothing.
+BINDS = {"pinned": (("0", "1"), ("1",)), "nobind": (("nobind", "nobind"), ("nobind",))}
 PROMPT = "The registry issues one engine id per launch of a tensor parallel group"
 
 
-def _dump_stacks(instance: Instance, out: Path) -> None:
-    """`py-spy dump` of every process of the instance (its process groups), if py-spy is there."""
+def _dump_stacks(instance: Instance, out: Path, native: bool = False) -> None:
+    """`py-spy dump` of every process of the instance (its process groups), if py-spy is there
+    (``native``: with native frames, for threads stuck in C)."""
     spy = VLLM_VENV / "bin" / "py-spy"
     if not spy.exists():
         (out / f"{instance.name}-stacks.txt").write_text("py-spy not installed in .venv-vllm\n")
@@ -52,13 +57,87 @@ def _dump_stacks(instance: Instance, out: Path) -> None:
         ).stdout.split()
         for pid in pids:
             dump = subprocess.run(
-                [str(spy), "dump", "--locals", "--pid", pid],
+                [str(spy), "dump", "--native" if native else "--locals", "--pid", pid],
                 capture_output=True,
                 text=True,
                 timeout=60,
             )
             lines.append(f"===== {proc.name} pid {pid} =====\n{dump.stdout}{dump.stderr}")
-    (out / f"{instance.name}-stacks.txt").write_text("\n".join(lines))
+    name = f"{instance.name}-{'native-' if native else ''}stacks.txt"
+    (out / name).write_text("\n".join(lines))
+
+
+def _pids(instance: Instance) -> list[str]:
+    """Every process of the instance (its nodes' process groups)."""
+    pids: list[str] = []
+    for proc in instance.procs:
+        found = subprocess.run(["pgrep", "-g", str(proc.popen.pid)], capture_output=True,
+                               text=True, timeout=10).stdout.split()  # fmt: skip
+        pids.extend(found)
+    return pids
+
+
+def _thread_states(instance: Instance, out: Path, gap_s: float = 2.0) -> None:
+    """Per thread of every process: its state, where it sleeps (wchan), its system call, and
+    the CPU ticks it used over ``gap_s`` (read from /proc twice; nothing attaches)."""
+
+    def sample(pid: str) -> dict[str, tuple[str, int, str, str, str]]:
+        found: dict[str, tuple[str, int, str, str, str]] = {}
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                found[task.name] = (
+                    stat[0], int(stat[11]) + int(stat[12]), (task / "comm").read_text().strip(),
+                    (task / "wchan").read_text().strip(), (task / "syscall").read_text().strip(),
+                )  # fmt: skip
+            except (OSError, IndexError, ValueError):
+                continue
+        return found
+
+    pids = _pids(instance)
+    before = {pid: sample(pid) for pid in pids}
+    time.sleep(gap_s)
+    lines = [f"at {time.strftime('%H:%M:%S')}: state, CPU ticks over {gap_s} s, wchan, syscall"]
+    for pid in pids:
+        after = sample(pid)
+        for tid, (state, ticks, comm, wchan, call) in sorted(after.items()):
+            used = ticks - before[pid].get(tid, (state, ticks))[1]
+            lines.append(f"{pid}/{tid} {comm:16s} {state} {used:4d} {wchan:28s} {call[:60]}")
+    (out / f"{instance.name}-threads.txt").write_text("\n".join(lines) + "\n")
+
+
+def _gdb_stacks(instance: Instance, out: Path) -> None:
+    """``gdb`` backtraces of every thread of the instance's vLLM workers, NIXL's and UCX's
+    threads included. Taken first: attaching (py-spy, gdb) interrupts blocked system calls,
+    and a process frozen in one moves on once attached."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        (out / f"{instance.name}-gdb.txt").write_text("gdb not installed\n")
+        return
+    for pid in _pids(instance):
+        comm = Path(f"/proc/{pid}/comm")
+        if not comm.exists() or "Worker" not in comm.read_text():
+            continue
+        t0 = time.strftime("%H:%M:%S")
+        bt = subprocess.run([gdb, "-p", pid, "-batch", "-ex", "thread apply all bt 20"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+        (out / f"{instance.name}-gdb-{pid}.txt").write_text(f"at {t0}\n{bt.stdout}{bt.stderr}")
+
+
+def _dump_if_slow(instances: Sequence[Instance], out: Path, after_s: float,
+                  done: threading.Event) -> None:  # fmt: skip
+    """The workers' native stacks (gdb), then every process's (`py-spy dump --native`), if
+    the PD request is still running ``after_s`` in: what they do while a pull waits."""
+    if done.wait(after_s):
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"PD request still running after {after_s:.0f} s: thread states, then stacks, into {out}")
+    for instance in instances:  # first, without attaching: what the kernel says of each thread
+        _thread_states(instance, out)
+    for instance in instances:
+        _gdb_stacks(instance, out)
+    for instance in instances:
+        _dump_stacks(instance, out, native=True)
 
 
 def _keep(instances: Sequence[Instance | None], out: Path) -> None:
@@ -94,14 +173,15 @@ def run(args: argparse.Namespace) -> int:
                 if running is not None:
                     running.stop()
             prefill = Instance(
-                f"prefill-r{n}", model, workdir, tp=2, nodes=2, cores=("0", "1"),
+                f"prefill-r{n}", model, workdir, tp=2, nodes=2, cores=BINDS[args.bind][0],
                 registry_url=registry.url, registry_token=registry.tokens.worker,
                 group="prefill-0", role="prefill", extra_env=extra,
             ).start()  # fmt: skip
             up_p = prefill.wait_healthy(args.start_timeout)
             decode = Instance(
-                f"decode-r{n}", model, workdir, cores=("1",), registry_url=registry.url,
-                registry_token=registry.tokens.worker, group="decode-0", role="decode",
+                f"decode-r{n}", model, workdir, cores=BINDS[args.bind][1],
+                registry_url=registry.url, registry_token=registry.tokens.worker,
+                group="decode-0", role="decode",
                 extra_env={
                     **{k: v for k, v in extra.items() if k != "PYTHONPATH"},
                     "ENGINE_REGISTRY_KV_WAIT_WARN_S": str(args.watch_s),
@@ -111,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
             own = complete(prefill.url, body)
             t1 = time.monotonic()
             outcome = "ok"
+            finished = threading.Event()
+            threading.Thread(
+                target=_dump_if_slow, daemon=True,
+                args=((prefill, decode), workdir / f"round-{n}", args.stall_s, finished),
+            ).start()  # fmt: skip
             try:
                 answer, _ = pd_complete(
                     prefill.url, decode.url, body, timeout_s=args.pd_timeout,
@@ -124,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
                 outcome = "HANG"
             except httpx.HTTPError as exc:
                 outcome = f"error {type(exc).__name__}"
+            finished.set()
             pd_s = time.monotonic() - t1
             pulls = [line.split("] ", 1)[-1] for line in decode.log_text().splitlines()
                      if KV_WATCH_MARK in line]  # fmt: skip
@@ -167,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--watch-s", type=float, default=0.001,
                    help="decode logs each KV pull waiting this long, with its stage")  # fmt: skip
     p.add_argument("--stop-on-hang", action="store_true")
+    p.add_argument("--bind", choices=sorted(BINDS), default="nobind",
+                   help="pin each vLLM node's threads to a core, or not")  # fmt: skip
+    p.add_argument("--stall-s", type=float, default=8.0,
+                   help="gdb and py-spy stacks once a PD request runs this long")  # fmt: skip
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     if args.workdir is None:

@@ -20,12 +20,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.workers.vllm_plugin.conftest import FIGURES, MACHINE
+from tests.workers.vllm_plugin.conftest import FIGURES
+from tests.workers.vllm_plugin.cpu_path import report_the_cpu_path
+from tests.workers.vllm_plugin.decode_checks import (
+    handshake_event,
+    handshake_seconds,
+    logged,
+    metric,
+)
 from tests.workers.vllm_plugin.routing import Routing, serving, stale_request_fails_at_once
 from workers.client import RegistryClient
 from workers.errors import EngineSuperseded
-from workers.tools import cpu_amx
-from workers.tools.vllm_launch import ROOT, Instance, Registry
+from workers.tools.vllm_launch import ROOT, Instance, Registry, free_port
 from workers.tools.vllm_pd import complete, nixl_transfers, pd_complete
 from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 from workers.vllm_plugin.resolve import resolve_remote_engine, split_dp_suffix
@@ -38,7 +44,6 @@ PROMPT = "The registry issues one engine id per launch of a tensor parallel grou
 START_S = 600.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 CONNECTOR_ID = re.compile(r"Creating v1 connector with name: \w+ and engine_id: (\S+)")
-AMX_HELD = re.compile(r"\[vllm_serve\] pid (\d+) \(\S+\): AMX tile permission held")
 
 
 @dataclass
@@ -67,7 +72,6 @@ class _Shared:
             "decode",
             self.model,
             self.workdir,
-            cores=("1",),
             registry_url=self.registry.url,
             registry_token=self.registry.tokens.worker,
             group="decode-0",
@@ -100,7 +104,6 @@ class _Shared:
             self.workdir,
             tp=2,
             nodes=2,
-            cores=("0", "1"),
             registry_url=self.registry.url if plugin else None,
             registry_token=self.registry.tokens.worker,
             group="prefill-0",
@@ -142,18 +145,18 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
     # token the registry does not know.
     worker = registry.tokens.worker
     wrong_group = Instance(
-        "wrong-group", tiny_model, vllm_workdir, tp=2, nodes=2, cores=("0", "1"),
+        "wrong-group", tiny_model, vllm_workdir, tp=2, nodes=2,
         registry_url=registry.url, registry_token=worker, group="mixed-a", role="prefill",
         extra_env=NOFIX, node_env=[{}, {"ENGINE_REGISTRY_GROUP": "mixed-b"}],
     )  # fmt: skip
     wrong_registry = Instance(
-        "wrong-registry", tiny_model, vllm_workdir, tp=2, nodes=2, cores=("1", "0"),
+        "wrong-registry", tiny_model, vllm_workdir, tp=2, nodes=2,
         registry_url=registry.url, registry_token=worker, group="mixed-c", role="prefill",
         extra_env=NOFIX, node_env=[{}, {"ENGINE_REGISTRY_URL": other_registry.url,
                                         "ENGINE_REGISTRY_TOKEN": other_registry.tokens.worker}],
     )  # fmt: skip
     wrong_token = Instance(
-        "wrong-token", tiny_model, vllm_workdir, cores=("0",), registry_url=registry.url,
+        "wrong-token", tiny_model, vllm_workdir, registry_url=registry.url,
         registry_token="worker-not-a-token-of-this-registry", group="mixed-e", role="prefill",
     )  # fmt: skip
     t0 = time.monotonic()
@@ -198,9 +201,9 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
 
 
 def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
-    """A new prefill, then a fresh decode. An idle vLLM CPU decode worker spins at ~95% of its
-    core (vLLM's shared-memory queue): a prefill node pinned to that core starved behind it and
-    missed a 300 s start (and 600 s); so nothing idles while an instance starts."""
+    """A new prefill, then a fresh decode. (Before the plugin set NIXL's progress thread to
+    wait for events, an idle decode worker's thread spun at ~95% of its core and a prefill
+    node pinned there starved past a 300 s start; the relaunch test now keeps decode up.)"""
     for running in (shared.decode_process, shared.prefill):
         if running is not None:
             running.stop()
@@ -209,8 +212,8 @@ def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
     FIGURES[f"{name}: healthy after"] = shared.prefill.wait_healthy(START_S)
     # Before the fix, decode leaves the handshake to vLLM, so that vLLM's own error shows (with
     # its check on, the plugin refuses the unknown engine first: test_stale_engine.py).
-    env = {"ENGINE_REGISTRY_CHECK_REMOTE": "false"} if not plugin else {}
-    shared.decode_process = shared.decode_instance(**env).start()
+    env = {"ENGINE_REGISTRY_CHECK_REMOTE": "false", "ENGINE_REGISTRY_HANDSHAKE": "side-channel"}
+    shared.decode_process = shared.decode_instance(**({} if plugin else env)).start()
     FIGURES[f"decode with {name}: healthy after"] = shared.decode.wait_healthy(START_S)
     return shared.prefill
 
@@ -261,12 +264,26 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         before = nixl_transfers(shared.decode.url)
         own = complete(prefill.url, shared.body())
         assert own.status_code == 200, own.text[:500]
+        # The first PD request names a side-channel port nothing listens on: decode loads the
+        # prefill's ranks from the registry, so it never notices (side-channel mode fails
+        # the same request: test_relaunched_prefill_gets_a_new_generation).
         t0 = time.monotonic()
-        answer, params = shared.pd(prefill)
+        answer, params = pd_complete(
+            prefill.url, shared.decode.url, shared.body(), decode_logs=shared.decode.log_text,
+            side_channel_port=free_port(),
+        )  # fmt: skip
         FIGURES["PD request (plugin), first"] = time.monotonic() - t0
         assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
         assert nixl_transfers(shared.decode.url) > before
+        path, took, offset = handshake_seconds(shared.decode, engine.engine_id)
+        assert path == "registry", shared.decode.tails()
+        FIGURES["decode handshake through the registry"] = took
+        assert offset is not None
+        assert abs(offset) < 0.05, offset  # one host: one clock
+        event = handshake_event(client, "prefill-0", engine.engine_id)
+        assert "decode group 'decode-0'" in event["detail"], event
+        assert metric(shared.decode.url, "engine_registry_handshakes_total", 'path="registry"')
         t0 = time.monotonic()
         again, _ = shared.pd(prefill)
         FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
@@ -298,7 +315,8 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         decode = client.get_engine("decode-0")
         assert decode.ready
         assert decode.role == "decode"
-        _report_the_cpu_path(shared, engine.compat, decode.compat)
+        assert shared.prefill is not None
+        report_the_cpu_path(shared.decode, shared.prefill, engine.compat, decode.compat)
 
         # Routers: both instances published where they serve, and a real vllm-router whose
         # command line names no instance, fed only by router-sync, serves PD through them.
@@ -313,32 +331,6 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
     assert split_dp_suffix(f"{engine.engine_id}_dp3") == (engine.engine_id, 3)
 
 
-def _amx_holders(instance: Instance) -> list[int]:
-    """Per node, how many processes said they hold AMX permission (workers.tools.vllm_serve)."""
-    return [len({int(pid) for pid in AMX_HELD.findall(text)}) for text in instance.logs()]
-
-
-def _report_the_cpu_path(shared: _Shared, prefill: dict[str, Any], decode: dict[str, Any]) -> None:
-    """Which attention kernel this run covered, and on AMX that every vLLM process asked.
-
-    `attn_isa` is what vLLM's own selector returned in the workers (the plugin records it in
-    the engine's compat). With `amx`, the AMX attention kernel ran in decode's first step
-    after a NIXL pull: the path that dies with SIGILL when a process lacks AMX permission.
-    """
-    isa = str(decode.get("attn_isa", ""))
-    MACHINE["attention ISA vLLM chose (decode / prefill)"] = f"{isa} / {prefill.get('attn_isa')}"
-    assert isa, decode
-    assert prefill.get("attn_isa") == isa, (prefill, decode)
-    assert shared.prefill is not None
-    held = {"decode": _amx_holders(shared.decode), "prefill": _amx_holders(shared.prefill)}
-    MACHINE["processes holding AMX permission per node"] = str(held)
-    if isa == "amx":
-        # Node 0: API server, engine core, worker; a headless node: its launcher and worker.
-        assert held == {"decode": [3], "prefill": [3, 2]}, (held, shared.decode.tails())
-    elif not cpu_amx.state().kernel_offers:
-        assert held == {"decode": [0], "prefill": [0, 0]}, held  # nothing to ask for
-
-
 def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
     with shared.client() as client:
         if shared.prefill is None or "registry" not in shared.prefill.name:
@@ -346,16 +338,19 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         old = client.get_engine("prefill-0")
         assert shared.prefill is not None
         old_side_channel = shared.prefill.side_channel_port
-        shared.prefill.stop()
+        # The prefill crashes (kill -9: nothing deregisters) while decode stays up. Decode
+        # follows the engines it loaded on the registry's watch: once the ranks' 10 s leases
+        # lapse, it hands the engine to vLLM's own release.
+        shared.prefill.kill()
         shared.prefill = None
-        # Deregistered on shutdown, or the 10 s lease ran out: no live rank of the old launch.
-        deadline = time.monotonic() + 20
-        while client.get_engine("prefill-0").registered_ranks and time.monotonic() < deadline:
-            time.sleep(0.5)
-        FIGURES["old prefill ranks gone after stop"] = 20 - (deadline - time.monotonic())
+        FIGURES["decode released the killed prefill's engine after"] = logged(
+            shared.decode, f"releasing remote engine {old.engine_id}", 30
+        )
         assert client.get_engine("prefill-0").registered_ranks == []
 
-        prefill = _start_prefill(shared, "prefill-relaunch", plugin=True)
+        prefill = shared.prefill = shared.prefill_instance("prefill-relaunch", plugin=True)
+        prefill.start()
+        FIGURES["prefill-relaunch: healthy after (decode up)"] = prefill.wait_healthy(START_S)
         new = client.get_engine("prefill-0")
         assert new.generation == old.generation + 1
         assert new.engine_id != old.engine_id
@@ -369,6 +364,12 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert params["remote_engine_id"] == new.engine_id
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
+        # vLLM freed the old engine's NIXL state at an engine step: decode holds one engine.
+        logged(shared.decode, f"freed the NIXL state of remote engine {old.engine_id}", 30)
+        assert metric(shared.decode.url, "engine_registry_remote_engines") == 1
+        released = metric(shared.decode.url, "engine_registry_remote_engines_released_total",
+                          'cause="not_ready"')  # fmt: skip
+        assert released == 1, shared.decode.tails()
         stale_request_fails_at_once(
             shared.decode, shared.body(), params, old.engine_id, old_side_channel
         )
@@ -391,5 +392,23 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
             "withdraw decode decode-0", 45
         )
         routing.said(f"Remove Decode [HTTP:127.0.0.1:{decode_port}", 10)
+
+        # Side-channel mode takes vLLM's own way: the closed port fails the request the
+        # registry mode served (test_with_the_plugin_prefill_to_decode_works), the real one
+        # works.
+        side = shared.decode_process = shared.decode_instance(
+            ENGINE_REGISTRY_HANDSHAKE="side-channel"
+        ).start()
+        side.wait_healthy(START_S)
+        refused, _ = pd_complete(prefill.url, side.url, shared.body(), decode_logs=side.log_text,
+                                 side_channel_port=free_port())  # fmt: skip
+        assert refused.status_code != 200, refused.text[:500]
+        again, _ = shared.pd(prefill)
+        assert again.status_code == 200, (again.text[:1000], side.tails())
+        path, FIGURES["decode handshake over the side channel"], _ = handshake_seconds(
+            side, new.engine_id
+        )
+        assert path == "side channel"
+        assert metric(side.url, "engine_registry_handshakes_total", 'path="registry"') == 0
     shared.prefill.stop()
     shared.prefill = None
