@@ -13,12 +13,14 @@ workers keep them). Also the target's CPU over 3 s with nothing to transfer. Wri
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,7 @@ def one_round(delay_us: int) -> dict[str, Any]:
 
     os.environ[nixl_progress.ENV] = str(delay_us)
     nixl_progress.apply(delay_us)
-    with peer(["target", str(SIZE)]) as remote:
+    with peer(["target", str(SIZE)]) as remote, _spinning():
         t0 = _cpu_s(remote["pid"])
         time.sleep(3.0)
         idle_cpu = (_cpu_s(remote["pid"]) - t0) / 3.0
@@ -75,22 +77,30 @@ def one_round(delay_us: int) -> dict[str, Any]:
             "warm_max_s": max(warm), "target_idle_cores": idle_cpu}  # fmt: skip
 
 
-def main() -> int:
+@contextlib.contextmanager
+def _spinning() -> Iterator[None]:
+    """``cores + 1`` busy processes while the block runs (started once the peer is up: a peer
+    importing torch beside them took minutes to say it was ready)."""
     cores = os.cpu_count() or 1
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores + 1)]
-    rows: dict[str, list[dict[str, Any]]] = {"0": [], "1000": []}
     try:
-        for n in range(3):
-            for delay in (0, 1000):
-                row = one_round(delay)
-                rows[str(delay)].append(row)
-                say(f"  round {n + 1}, delay {delay} us: first READ {row['first_s']:.4f} s, warm "
-                    f"median {row['warm_median_s'] * 1e3:.2f} ms, max {row['warm_max_s'] * 1e3:.1f}"
-                    f" ms, idle target {row['target_idle_cores']:.2f} cores")  # fmt: skip
+        yield
     finally:
         for proc in spin:
             proc.kill()
             proc.wait()
+
+
+def main() -> int:
+    cores = os.cpu_count() or 1
+    rows: dict[str, list[dict[str, Any]]] = {"0": [], "1000": []}
+    for n in range(3):
+        for delay in (0, 1000):
+            row = one_round(delay)
+            rows[str(delay)].append(row)
+            say(f"  round {n + 1}, delay {delay} us: first READ {row['first_s']:.4f} s, warm "
+                f"median {row['warm_median_s'] * 1e3:.2f} ms, max {row['warm_max_s'] * 1e3:.1f}"
+                f" ms, idle target {row['target_idle_cores']:.2f} cores")  # fmt: skip
     summary = {
         key: statistics.median(r[key] for r in rows["0"]) / statistics.median(
             r[key] for r in rows["1000"])
