@@ -47,7 +47,11 @@ class Proc:
     """One child in its own process group, logging to a file; stopped as a group.
 
     ``echo``: also hand each line of its output (stdout and stderr, without the newline) to
-    this callback as it comes, from a thread of this process; the log file gets every line."""
+    this callback as it comes, from a thread of this process; the log file gets every line.
+
+    The child leads a new process group (stopped as a group) in this process's session: a
+    session of its own would be a scheduling autogroup of its own, and a busy vLLM decode's
+    group starved a prefill's in another one (docs/vllm-plugin.md "Starved prefill")."""
 
     def __init__(
         self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path, *,
@@ -61,12 +65,12 @@ class Proc:
             with open(log, "ab") as out:  # the child keeps its own descriptor
                 self.popen = subprocess.Popen(
                     self.cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    stdin=subprocess.DEVNULL, process_group=0,
                 )  # fmt: skip
             return
         self.popen = subprocess.Popen(
             self.cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, process_group=0,
         )  # fmt: skip
         self.pump = threading.Thread(target=self._pump, args=(echo,), daemon=True)
         self.pump.start()

@@ -70,10 +70,10 @@ class Instance:
     workdir: Path
     tp: int = 1
     nodes: int = 1
-    # VLLM_CPU_OMP_THREADS_BIND per node. Not pinned by default: on a 2-core machine a decode
-    # worker pinned to the core of a prefill node busy-waits for its KV pull while the prefill's
-    # threads there (NIXL's progress thread among them, which the READ needs) get no CPU at
-    # all for a minute: the relaunch hang of docs/vllm-plugin.md "Pinned to one core".
+    # VLLM_CPU_OMP_THREADS_BIND per node. Not pinned by default: a decode worker pinned to a
+    # prefill node's core busy-waits for its KV pull while the prefill's threads there (NIXL's
+    # progress thread among them, which the READ needs) get no CPU: docs/vllm-plugin.md
+    # "Starved prefill: the relaunch hang".
     cores: Sequence[str] = ("nobind",)
     registry_url: str | None = None
     registry_token: str | None = None

@@ -74,3 +74,13 @@ def registry(vllm_workdir: Path) -> Iterator[Registry]:
         yield reg
     finally:
         reg.stop()
+
+
+@pytest.fixture
+def other_registry(vllm_workdir: Path) -> Iterator[Registry]:
+    """A second registry (a node told the wrong one)."""
+    reg = Registry(vllm_workdir).start()
+    try:
+        yield reg
+    finally:
+        reg.stop()

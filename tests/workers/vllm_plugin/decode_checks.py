@@ -16,6 +16,7 @@ REGISTRY_HANDSHAKE = re.compile(
     r"engine-registry: handshake with engine (\S+) \(group .*loaded from the registry in "
     r"([0-9.]+) s, clock offset (-?[0-9.]+) s"
 )
+CONNECTOR_ID = re.compile(r"Creating v1 connector with name: \w+ and engine_id: (\S+)")
 SIDE_CHANNEL_HANDSHAKE = re.compile(
     r"engine-registry: handshake with engine (\S+) over vLLM's side channel \S+ in ([0-9.]+) s"
 )
@@ -32,10 +33,11 @@ def metric(url: str, name: str, labels: str = "", timeout_s: float = 60.0) -> fl
     return 0.0
 
 
-def logged(instance: Instance, text: str, limit_s: float) -> float:
-    """Seconds until ``text`` is in the instance's log; fails with its tail past ``limit_s``."""
+def logged(instance: Instance, text: str, limit_s: float, since: int = 0) -> float:
+    """Seconds until ``text`` is in the instance's log (after its first ``since`` characters);
+    fails with its tail past ``limit_s``."""
     t0 = time.monotonic()
-    while text not in instance.log_text():
+    while text not in instance.log_text()[since:]:
         if time.monotonic() - t0 > limit_s:
             raise AssertionError(f"{text!r} not logged within {limit_s} s:\n{instance.tails()}")
         time.sleep(0.25)
@@ -72,3 +74,13 @@ def handshake_event(client: RegistryClient, prefill_group: str, engine_id: str) 
         if time.monotonic() > deadline:
             raise AssertionError(f"no handshake event for {engine_id}: {events[-5:]}")
         time.sleep(0.5)
+
+
+def connector_ids(instance: Instance) -> list[set[str]]:
+    """Per node, the engine_ids vLLM's workers/scheduler logged when making a connector."""
+    return [set(CONNECTOR_ID.findall(text)) for text in instance.logs()]
+
+
+def kv_request(line: str) -> str:
+    """The request id a KV-pull watch line names."""
+    return line.split(" for request ", 1)[1].split(" ", 1)[0]

@@ -10,7 +10,6 @@ failure shows decode's log.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,8 +22,10 @@ import pytest
 from tests.workers.vllm_plugin.conftest import FIGURES
 from tests.workers.vllm_plugin.cpu_path import report_the_cpu_path
 from tests.workers.vllm_plugin.decode_checks import (
+    connector_ids,
     handshake_event,
     handshake_seconds,
+    kv_request,
     logged,
     metric,
 )
@@ -43,7 +44,6 @@ PROMPT = "The registry issues one engine id per launch of a tensor parallel grou
 # NIXL's initialisation, each minutes slower); cause not found yet, so the bound is generous.
 START_S = 600.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
-CONNECTOR_ID = re.compile(r"Creating v1 connector with name: \w+ and engine_id: (\S+)")
 
 
 @dataclass
@@ -125,15 +125,6 @@ def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator
             state.decode_process.stop()
         if state.routing_process is not None:
             state.routing_process.stop()
-
-
-@pytest.fixture
-def other_registry(vllm_workdir: Path) -> Iterator[Registry]:
-    reg = Registry(vllm_workdir).start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
 
 
 def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
@@ -218,14 +209,9 @@ def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
     return shared.prefill
 
 
-def _connector_ids(instance: Instance) -> list[set[str]]:
-    """Per node, the engine_ids vLLM's workers/scheduler logged when making a connector."""
-    return [set(CONNECTOR_ID.findall(text)) for text in instance.logs()]
-
-
 def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) -> None:
     prefill = _start_prefill(shared, "prefill-nofix", plugin=False)
-    node0, node1 = _connector_ids(prefill)
+    node0, node1 = connector_ids(prefill)
     assert node0, prefill.tails()
     assert node1, prefill.tails()
     assert not node0 & node1, (node0, node1)  # each node made up its own engine_id
@@ -237,11 +223,6 @@ def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) ->
         time.sleep(0.5)
     assert "Remote NIXL agent engine ID mismatch" in shared.decode.logs()[0]
     assert nixl_transfers(shared.decode.url) == 0
-
-
-def _kv_request(line: str) -> str:
-    """The request id a KV-pull watch line names."""
-    return line.split(" for request ", 1)[1].split(" ", 1)[0]
 
 
 def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
@@ -258,7 +239,7 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         # connectors (workers and scheduler) with it and nothing else.
         for text in prefill.logs():
             assert f"uses the registry's engine_id {engine.engine_id}" in text
-        assert _connector_ids(prefill) == [{engine.engine_id}, {engine.engine_id}]
+        assert connector_ids(prefill) == [{engine.engine_id}, {engine.engine_id}]
         assert "[nofix]" in prefill.logs()[1]  # vLLM's own broadcast really was off
 
         before = nixl_transfers(shared.decode.url)
@@ -285,7 +266,7 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         assert "decode group 'decode-0'" in event["detail"], event
         assert metric(shared.decode.url, "engine_registry_handshakes_total", 'path="registry"')
         t0 = time.monotonic()
-        again, _ = shared.pd(prefill)
+        again, params = shared.pd(prefill)  # the real side-channel port this time
         FIGURES["PD request (plugin), warm"] = time.monotonic() - t0
         assert again.status_code == 200, (again.text[:1000], shared.decode.tails())
         # The plugin's KV-pull watch read real vLLM's bookkeeping: the first pull waited on
@@ -294,8 +275,8 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
         # is said only if the engine steps again: neither is asserted.)
         watch = [line for line in shared.decode.log_text().splitlines() if KV_WATCH_MARK in line]
         assert any("handshake pending" in line for line in watch), shared.decode.tails()
-        waited = [_kv_request(line) for line in watch if " has waited " in line]
-        ended = {_kv_request(line) for line in watch if " ended after " in line}
+        waited = [kv_request(line) for line in watch if " has waited " in line]
+        ended = {kv_request(line) for line in watch if " ended after " in line}
         assert waited, watch
         assert waited[0] in ended, watch
         assert ended <= set(waited), watch
@@ -341,11 +322,18 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         # The prefill crashes (kill -9: nothing deregisters) while decode stays up. Decode
         # follows the engines it loaded on the registry's watch: once the ranks' 10 s leases
         # lapse, it hands the engine to vLLM's own release.
+        released_before = metric(shared.decode.url,
+                                 "engine_registry_remote_engines_released_total",
+                                 'cause="not_ready"')  # fmt: skip
+        since = len(shared.decode.log_text())
         shared.prefill.kill()
         shared.prefill = None
         FIGURES["decode released the killed prefill's engine after"] = logged(
-            shared.decode, f"releasing remote engine {old.engine_id}", 30
+            shared.decode, f"releasing remote engine {old.engine_id}", 30, since
         )
+        deadline = time.monotonic() + 15  # the other rank's lease may lapse a little later
+        while client.get_engine("prefill-0").registered_ranks and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert client.get_engine("prefill-0").registered_ranks == []
 
         prefill = shared.prefill = shared.prefill_instance("prefill-relaunch", plugin=True)
@@ -365,11 +353,11 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         assert params["remote_engine_id"] == new.engine_id
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
         # vLLM freed the old engine's NIXL state at an engine step: decode holds one engine.
-        logged(shared.decode, f"freed the NIXL state of remote engine {old.engine_id}", 30)
+        logged(shared.decode, f"freed the NIXL state of remote engine {old.engine_id}", 30, since)
         assert metric(shared.decode.url, "engine_registry_remote_engines") == 1
         released = metric(shared.decode.url, "engine_registry_remote_engines_released_total",
                           'cause="not_ready"')  # fmt: skip
-        assert released == 1, shared.decode.tails()
+        assert released == released_before + 1, shared.decode.tails()
         stale_request_fails_at_once(
             shared.decode, shared.body(), params, old.engine_id, old_side_channel
         )
