@@ -50,31 +50,26 @@ def _dump_stacks(instance: Instance, out: Path, native: bool = False) -> None:
         (out / f"{instance.name}-stacks.txt").write_text("py-spy not installed in .venv-vllm\n")
         return
     lines: list[str] = []
-    for proc in instance.procs:
-        pgid = proc.popen.pid
-        pids = subprocess.run(
-            ["pgrep", "-g", str(pgid)], capture_output=True, text=True, timeout=10
-        ).stdout.split()
-        for pid in pids:
-            dump = subprocess.run(
-                [str(spy), "dump", "--native" if native else "--locals", "--pid", pid],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            lines.append(f"===== {proc.name} pid {pid} =====\n{dump.stdout}{dump.stderr}")
+    for node, pid in _pids(instance):
+        dump = subprocess.run(
+            [str(spy), "dump", "--native" if native else "--locals", "--pid", pid],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines.append(f"===== {node} pid {pid} =====\n{dump.stdout}{dump.stderr}")
     name = f"{instance.name}-{'native-' if native else ''}stacks.txt"
     (out / name).write_text("\n".join(lines))
 
 
-def _pids(instance: Instance) -> list[str]:
-    """Every process of the instance (its nodes' process groups)."""
-    pids: list[str] = []
+def _pids(instance: Instance) -> list[tuple[str, str]]:
+    """(node, pid) of every process of the instance (its nodes' process groups)."""
+    found: list[tuple[str, str]] = []
     for proc in instance.procs:
-        found = subprocess.run(["pgrep", "-g", str(proc.popen.pid)], capture_output=True,
+        group = subprocess.run(["pgrep", "-g", str(proc.popen.pid)], capture_output=True,
                                text=True, timeout=10).stdout.split()  # fmt: skip
-        pids.extend(found)
-    return pids
+        found.extend((proc.name, pid) for pid in group)
+    return found
 
 
 def _thread_states(instance: Instance, out: Path, gap_s: float = 2.0) -> None:
@@ -94,7 +89,7 @@ def _thread_states(instance: Instance, out: Path, gap_s: float = 2.0) -> None:
                 continue
         return found
 
-    pids = _pids(instance)
+    pids = [pid for _, pid in _pids(instance)]
     before = {pid: sample(pid) for pid in pids}
     time.sleep(gap_s)
     lines = [f"at {time.strftime('%H:%M:%S')}: state, CPU ticks over {gap_s} s, wchan, syscall"]
@@ -114,7 +109,7 @@ def _gdb_stacks(instance: Instance, out: Path) -> None:
     if gdb is None:
         (out / f"{instance.name}-gdb.txt").write_text("gdb not installed\n")
         return
-    for pid in _pids(instance):
+    for _, pid in _pids(instance):
         comm = Path(f"/proc/{pid}/comm")
         if not comm.exists() or "Worker" not in comm.read_text():
             continue

@@ -104,10 +104,6 @@ class Follower:
         if known:
             self._check(followed, engine)
 
-    def followed(self) -> list[Followed]:
-        with self._lock:
-            return list(self._followed.values())
-
     def close(self) -> None:
         self._stop.set()
 
