@@ -146,8 +146,18 @@ class ObserveMiddleware:
                     "status": status,
                     "ms": round(elapsed * 1000, 2),
                     "client": client[0] if client else None,
+                    "user_agent": user_agent(scope),
                 },
             )
+
+
+def user_agent(scope: Scope) -> str | None:
+    """The request's ``User-Agent`` (the workers name their group, node and pid there), cut
+    to 200 characters; looked for only when the request is logged."""
+    for name, value in scope["headers"]:
+        if name == b"user-agent":
+            return bytes(value[:200]).decode("latin-1")
+    return None
 
 
 class BodyLimitMiddleware:

@@ -46,6 +46,9 @@ DEFAULT_TIMEOUT_S = 10.0
 HOLD_MARGIN_S = 5.0
 
 
+USER_AGENT = "engine-registry-workers"
+
+
 def _normalize_urls(urls: str | Sequence[str]) -> list[str]:
     items = [urls] if isinstance(urls, str) else list(urls)
     out: list[str] = []
@@ -76,7 +79,10 @@ class RegistryClient:
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        user_agent: str = USER_AGENT,
     ) -> None:
+        """`user_agent`: who is asking, in the registry's access log (the vLLM plugin names
+        its group, node, pid and role there)."""
         self.urls = _normalize_urls(urls)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -86,7 +92,7 @@ class RegistryClient:
         self._sleep = sleep
         self._clock = clock
         self._preferred = 0
-        headers = {"Accept": "application/json, application/problem+json"}
+        headers = {"Accept": "application/json, application/problem+json", "User-Agent": user_agent}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         # https:// URLs: verified against tls.ca (else the system store), never unverified.

@@ -85,6 +85,10 @@ class Registry:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"registry-{self.port}.log"
+
     def headers(self, role: str = "reader") -> dict[str, str]:
         return {"Authorization": f"Bearer {getattr(self.tokens, role)}"}
 
@@ -96,7 +100,7 @@ class Registry:
             args=["--tokens-file", str(tokens)],
             python=vllm_python(),
             environ=base_env(),
-            log_path=self.workdir / f"registry-{self.port}.log",
+            log_path=self.log_path,
             new_session=True,
             poll_s=0.1,
         ).start(timeout_s)

@@ -4,9 +4,12 @@ the instance's role, its group id and the engine_id vLLM uses (data parallelism 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import sys
 from typing import Any
 
-from workers.client import RegistryClient
+from workers.client import USER_AGENT, RegistryClient
 from workers.models import Role
 from workers.vllm_plugin.settings import PluginSettings
 
@@ -17,13 +20,47 @@ _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "k
 
 
 def client(settings: PluginSettings, timeout_s: float | None = None) -> RegistryClient:
-    """The plugin's one way to reach the registry (URLs, token, deadline)."""
+    """The plugin's one way to reach the registry (URLs, token, deadline, `user_agent`)."""
     return RegistryClient(
         settings.urls,
         token=settings.token,
         timeout_s=timeout_s or settings.timeout_s,
         tls=settings.tls,
+        user_agent=user_agent(settings),
     )
+
+
+def node_name(config: Any = None) -> str:
+    """This process's node: its host and vLLM's node rank (``parallel_config.node_rank``,
+    else ``--node-rank`` on the command line, which vLLM's worker processes inherit)."""
+    rank: Any = getattr(getattr(config, "parallel_config", None), "node_rank", None)
+    if rank is None:
+        argv = sys.argv
+        for i, arg in enumerate(argv):
+            if arg == "--node-rank" and i + 1 < len(argv):
+                rank = argv[i + 1]
+            elif arg.startswith("--node-rank="):
+                rank = arg.split("=", 1)[1]
+    try:
+        number = int(rank or 0)
+    except ValueError:
+        number = 0
+    return f"{socket.gethostname()}/{number}"
+
+
+def user_agent(settings: PluginSettings) -> str:
+    """Who asks, for the registry's access log: the requests of one node of one group are
+    counted from there (the real-vLLM tier's summary does)."""
+    node = _node or node_name()
+    return f"{USER_AGENT} vllm-plugin (group {settings.group}; node {node}; pid {os.getpid()})"
+
+
+_node: str | None = None  # a worker's node, from its config (`set_node`)
+
+
+def set_node(name: str) -> None:
+    global _node
+    _node = name
 
 
 def role(config: Any, settings: PluginSettings) -> Role:

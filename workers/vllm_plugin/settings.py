@@ -68,6 +68,11 @@ class PluginSettings(BaseSettings):
         description="registry: decode loads prefill ranks from the registry; side-channel: "
         "vLLM's ZMQ side channel",
     )
+    publish: Literal["node", "rank"] = Field(
+        "node",
+        description="node: a node's first rank registers and renews the node's agents in one "
+        "request; rank: each rank its own",
+    )
     nixl_progress_us: int = Field(
         1000, ge=0, le=1_000_000,
         description="NIXL progress thread: wait for events up to this many us (0: busy poll)",

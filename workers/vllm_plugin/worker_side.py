@@ -4,8 +4,9 @@ Before the connector is made (collective over vLLM's TP group, or its model-para
 when PP > 1): `workers.identity.sync_engine_id` opens (rank 0), fetches and cross-verifies the
 engine; any disagreement raises the same `EngineIdentityError` on every rank, with its cause,
 and the instance does not start. After the connector registered its KV caches: the rank's NIXL
-agent is published with a lease (`workers.publication.Publication`: renewed every ttl/3,
-registered again after a 404, stopped on a 409) and deregistered on shutdown or exit.
+agent is published with a lease (renewed every ttl/3, registered again after a 404, stopped on
+a 409) and deregistered on shutdown or exit: by its node's first rank together with the node's
+other ranks (`node_publish`, the default), or by itself (`workers.publication.Publication`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from workers.errors import EngineIdentityError, RegistryError
 from workers.identity import sync_engine_id
 from workers.models import AgentItem, EngineIdentity, KvSpec
 from workers.publication import Publication
-from workers.vllm_plugin import common, kv_watch, stale, via_registry
+from workers.vllm_plugin import common, kv_watch, node_publish, stale, via_registry
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import compat_of
 from workers.vllm_plugin.decode_side import attach_decode_side
+from workers.vllm_plugin.node_publish import NodeShare
 from workers.vllm_plugin.settings import PluginConfigError, PluginSettings
 
 
@@ -43,7 +45,9 @@ class _State:
     pp_size: int = 1
     compat: dict[str, Any] = field(default_factory=dict)
     clock: float = 0.0  # node 0's perf_counter - time.time(), broadcast from rank 0
-    publication: Publication | None = None
+    group: Any = None  # the CPU group the identity was agreed over (and a node's items go)
+    node: str = ""  # this process's node (`common.node_name`)
+    publication: Publication | NodeShare | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -112,6 +116,9 @@ def worker_sync(config: Any) -> None:
         _state.pp_size = int(pp.world_size)
         _state.compat = dict(compat)
         _state.clock = _node0_clock(pg)
+        _state.group = pg
+        _state.node = common.node_name(config)
+        common.set_node(_state.node)
         log.info(
             "engine-registry: rank %d/%d (tp_rank %d, pp_rank %d) of group %r uses the "
             "registry's engine_id %s (generation %d, was %s)",
@@ -222,10 +229,13 @@ def agent_item(connector: Any, config: Any) -> AgentItem:
     return AgentItem(_state.rank, _state.identity.engine_id, name, metadata, host, kv)
 
 
-def publish(connector: Any, config: Any) -> Publication:
-    """Register this rank's agent and keep its lease; deregistered at exit."""
+def publish(connector: Any, config: Any) -> Publication | NodeShare:
+    """Register this rank's agent and keep its lease (by its node's leader, or by itself:
+    ``ENGINE_REGISTRY_PUBLISH``); deregistered at exit."""
     assert _state.identity is not None
     assert _state.settings is not None
+    if _state.settings.publish == "node":
+        return _publish_by_node(connector, config)
     settings = _state.settings
     item = agent_item(connector, config)
     publication = Publication(
@@ -258,6 +268,43 @@ def publish(connector: Any, config: Any) -> Publication:
         settings.ttl_s,
     )
     return publication
+
+
+def _publish_by_node(connector: Any, config: Any) -> NodeShare:
+    """Collective over the instance's group: `node_publish.publish_by_node`."""
+    assert _state.identity is not None
+    assert _state.settings is not None
+    settings = _state.settings
+    try:
+        share = node_publish.publish_by_node(
+            lambda: common.client(settings), _state.identity,
+            lambda: agent_item(connector, config), rank=_state.rank, node=_state.node,
+            group=_state.group, ttl_s=settings.ttl_s, logger=log,
+        )  # fmt: skip
+    except EngineIdentityError as exc:
+        raise RuntimeError(
+            f"engine-registry: rank {_state.rank} of group {_state.group_id!r} could "
+            f"not be registered: {exc}"
+        ) from exc
+    atexit.register(share.close)
+    if share.batch is not None:
+        log.info(
+            "engine-registry: node %s registered ranks %s of engine %s in one request "
+            "(lease %d s, one heartbeat every %.1f s for the node)",
+            share.node,
+            share.ranks,
+            _state.identity.engine_id,
+            settings.ttl_s,
+            share.batch.interval_s,
+        )
+    else:
+        log.info(
+            "engine-registry: rank %d registered by node %s's leader, rank %d",
+            _state.rank,
+            share.node,
+            share.leader,
+        )
+    return share
 
 
 def attach_publication(connector: Any, config: Any) -> None:

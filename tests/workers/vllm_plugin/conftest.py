@@ -18,6 +18,7 @@ from workers.tools import cpu_amx
 from workers.tools.vllm_launch import VLLM_VENV, Registry, build_model
 
 FIGURES: dict[str, float] = {}
+REQUESTS: dict[str, str] = {}  # a node's registry requests (registry_requests.py)
 # What machine and which CPU kernels a run covered (the tests add vLLM's attention ISA).
 _AMX = cpu_amx.state()
 MACHINE: dict[str, str] = {
@@ -52,6 +53,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("real vLLM figures (seconds)")
         for key, value in FIGURES.items():
             terminalreporter.write_line(f"{key:48s} {value:8.2f}")
+    if REQUESTS:
+        terminalreporter.section("registry requests per node (the registry's access log)")
+        for key, text in REQUESTS.items():
+            terminalreporter.write_line(f"{key}: {text}")
 
 
 @pytest.fixture(scope="session")

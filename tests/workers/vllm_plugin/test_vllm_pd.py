@@ -2,7 +2,7 @@
 
 vLLM's own engine_id broadcast is switched off on the prefill nodes (nofix/ beside this
 file, "a vLLM before its fix"). One decode instance (TP 1, plugin active) serves the whole
-module; prefill instances come and go. The tests run in file order and share `_Shared`. The
+module; prefill instances come and go. The tests run in file order and share `Shared`. The
 registry runs with tokens, as in production: the plugin holds a worker token, the tests read
 with a reader one. Every PD request has a deadline (`workers.tools.vllm_pd`): past it, the
 failure shows decode's log.
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.workers.vllm_plugin.conftest import FIGURES
+from tests.workers.vllm_plugin.conftest import FIGURES, REQUESTS
 from tests.workers.vllm_plugin.cpu_path import report_the_cpu_path
 from tests.workers.vllm_plugin.decode_checks import (
     connector_ids,
@@ -29,93 +27,21 @@ from tests.workers.vllm_plugin.decode_checks import (
     logged,
     metric,
 )
-from tests.workers.vllm_plugin.routing import Routing, serving, stale_request_fails_at_once
-from workers.client import RegistryClient
+from tests.workers.vllm_plugin.pd_shared import NOFIX, START_S, Shared
+from tests.workers.vllm_plugin.registry_requests import report_and_check
+from tests.workers.vllm_plugin.routing import serving, stale_request_fails_at_once
 from workers.errors import EngineSuperseded
-from workers.tools.vllm_launch import ROOT, Instance, Registry, free_port
+from workers.tools.vllm_launch import Instance, Registry, free_port
 from workers.tools.vllm_pd import complete, nixl_transfers, pd_complete
 from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 from workers.vllm_plugin.resolve import resolve_remote_engine, split_dp_suffix
 
-NOFIX = {"PYTHONPATH": str(ROOT / "tests" / "workers" / "vllm_plugin" / "nofix")}
-PROMPT = "The registry issues one engine id per launch of a tensor parallel group"
-# A two-node prefill on this 2-core Intel machine, idle, became healthy in 93 s on one run
-# and took more than 300 s on others (torch.distributed's group set-up between its nodes, then
-# NIXL's initialisation, each minutes slower); cause not found yet, so the bound is generous.
-START_S = 600.0
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
 
-@dataclass
-class _Shared:
-    workdir: Path
-    model: Path
-    registry: Registry
-    decode_process: Instance | None = None
-    prefill: Instance | None = None
-    routing_process: Routing | None = None
-
-    def routing(self) -> Routing:
-        """vllm-router and router-sync, started once, kept across the tests."""
-        if self.routing_process is None:
-            reader = self.registry.tokens.reader
-            self.routing_process = Routing.start(self.workdir, self.registry.url, reader)
-        return self.routing_process
-
-    @property
-    def decode(self) -> Instance:
-        assert self.decode_process is not None, "decode starts after each prefill is healthy"
-        return self.decode_process
-
-    def decode_instance(self, **env: str) -> Instance:
-        return Instance(
-            "decode",
-            self.model,
-            self.workdir,
-            registry_url=self.registry.url,
-            registry_token=self.registry.tokens.worker,
-            group="decode-0",
-            role="decode",
-            # The KV-pull watch says every pull's stage (handshake pending, READ posted).
-            extra_env={"ENGINE_REGISTRY_KV_WAIT_WARN_S": "0.001", **env},
-        )
-
-    def body(self, max_tokens: int = 8) -> dict[str, Any]:
-        return {
-            "model": str(self.model),
-            "prompt": PROMPT,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-
-    def client(self, role: str = "reader") -> RegistryClient:
-        return RegistryClient(self.registry.url, token=getattr(self.registry.tokens, role))
-
-    def pd(self, prefill: Instance) -> tuple[httpx.Response, dict[str, Any]]:
-        """A PD request through `prefill` and the shared decode, bounded, decode's log on fail."""
-        return pd_complete(
-            prefill.url, self.decode.url, self.body(), decode_logs=self.decode.log_text
-        )
-
-    def prefill_instance(self, name: str, *, plugin: bool, **kw: Any) -> Instance:
-        return Instance(
-            name,
-            self.model,
-            self.workdir,
-            tp=2,
-            nodes=2,
-            registry_url=self.registry.url if plugin else None,
-            registry_token=self.registry.tokens.worker,
-            group="prefill-0",
-            role="prefill",
-            extra_env={**NOFIX, "ENGINE_REGISTRY_TTL_S": "10"},
-            **kw,
-        )
-
-
 @pytest.fixture(scope="module")
-def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator[_Shared]:
-    state = _Shared(vllm_workdir, tiny_model, registry)
+def shared(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator[Shared]:
+    state = Shared(vllm_workdir, tiny_model, registry)
     try:
         yield state
     finally:
@@ -191,7 +117,7 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
         wrong_token.stop()
 
 
-def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
+def _start_prefill(shared: Shared, name: str, *, plugin: bool) -> Instance:
     """A new prefill, then a fresh decode. (Before the plugin set NIXL's progress thread to
     wait for events, an idle decode worker's thread spun at ~95% of its core and a prefill
     node pinned there starved past a 300 s start; the relaunch test now keeps decode up.)"""
@@ -199,17 +125,21 @@ def _start_prefill(shared: _Shared, name: str, *, plugin: bool) -> Instance:
         if running is not None:
             running.stop()
     shared.decode_process = shared.prefill = None
+    started = time.time()
     shared.prefill = shared.prefill_instance(name, plugin=plugin).start()
     FIGURES[f"{name}: healthy after"] = shared.prefill.wait_healthy(START_S)
+    shared.launches["prefill-0"] = (started, time.time(), 2)
+    started = time.time()
     # Before the fix, decode leaves the handshake to vLLM, so that vLLM's own error shows (with
     # its check on, the plugin refuses the unknown engine first: test_stale_engine.py).
     env = {"ENGINE_REGISTRY_CHECK_REMOTE": "false", "ENGINE_REGISTRY_HANDSHAKE": "side-channel"}
     shared.decode_process = shared.decode_instance(**({} if plugin else env)).start()
     FIGURES[f"decode with {name}: healthy after"] = shared.decode.wait_healthy(START_S)
+    shared.launches["decode-0"] = (started, time.time(), 1)
     return shared.prefill
 
 
-def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) -> None:
+def test_before_the_fix_without_registry_the_handshake_fails(shared: Shared) -> None:
     prefill = _start_prefill(shared, "prefill-nofix", plugin=False)
     node0, node1 = connector_ids(prefill)
     assert node0, prefill.tails()
@@ -225,7 +155,7 @@ def test_before_the_fix_without_registry_the_handshake_fails(shared: _Shared) ->
     assert nixl_transfers(shared.decode.url) == 0
 
 
-def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
+def test_with_the_plugin_prefill_to_decode_works(shared: Shared) -> None:
     prefill = _start_prefill(shared, "prefill-registry", plugin=True)
     with shared.client() as client:
         engine = client.get_engine("prefill-0")
@@ -312,7 +242,7 @@ def test_with_the_plugin_prefill_to_decode_works(shared: _Shared) -> None:
     assert split_dp_suffix(f"{engine.engine_id}_dp3") == (engine.engine_id, 3)
 
 
-def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
+def test_relaunched_prefill_gets_a_new_generation(shared: Shared) -> None:
     with shared.client() as client:
         if shared.prefill is None or "registry" not in shared.prefill.name:
             _start_prefill(shared, "prefill-registry", plugin=True)
@@ -326,6 +256,7 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
                                  "engine_registry_remote_engines_released_total",
                                  'cause="not_ready"')  # fmt: skip
         since = len(shared.decode.log_text())
+        killed = time.time()
         shared.prefill.kill()
         shared.prefill = None
         FIGURES["decode released the killed prefill's engine after"] = logged(
@@ -372,6 +303,9 @@ def test_relaunched_prefill_gets_a_new_generation(shared: _Shared) -> None:
         assert via.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
         routing.said(f"offer prefill prefill-0 (generation {new.generation}", 5)
         routing.said(f"withdraw prefill prefill-0 (generation {old.generation}", 5)
+        # Each node's registry requests, from its launch to the kill (prefill) or to now.
+        until = {"prefill-0": killed, "decode-0": time.time()}
+        report_and_check(shared.registry.log_path, shared.launches, until, REQUESTS)
         # A decode that stops leaves the router once the registry no longer has it ready.
         decode_port = shared.decode.port
         shared.decode.stop()
