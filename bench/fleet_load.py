@@ -1,6 +1,7 @@
 """The fleet's load, as the worker library makes it (``bench/fleet.py`` runs it).
 
-One aiohttp client process plays every node's leader (``workers.publication.BatchPublication``:
+One client process (``bench/raw_client.py``: aiohttp could not keep this pace) plays every
+node's leader (``workers.publication.BatchPublication``:
 a TP 8 group on one node, so one leader, one lease and one heartbeat stream per group):
 
 - **launch**: each group opens its engine (``PUT /tp-groups/{g}/engine``) and registers its
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import random
 import time
@@ -33,15 +33,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from bench.common import summary_ms
+from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 
 TP = 8
 TTL_S = 30  # the library's default lease
 HEARTBEAT_S = TTL_S / 3  # LeaseKeeper's default fraction
 IN_FLIGHT = 64
+# The client's connections at most (more requests wait for one): below the registry's default
+# max_connections (8,192), past which it closes the idlest connection.
+CONNECTIONS = 1024
 PLANNERS = 4
 
 
@@ -83,11 +85,6 @@ class Fleet:
         ]
 
 
-def _session(limit: int) -> aiohttp.ClientSession:
-    timeout = aiohttp.ClientTimeout(total=120)
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=timeout)
-
-
 @dataclass
 class Run:
     """What a run saw: latencies by phase, answers by status."""
@@ -109,23 +106,24 @@ class Run:
 
 
 async def _beat(
-    s: aiohttp.ClientSession, url: str, run: Run, gid: str, eid: str, phase: float,
-    stop: asyncio.Event, again: Callable[[], dict[str, Any]] | None = None,
+    pool: RawPool, run: Run, gid: str, eid: str, phase: float, stop: asyncio.Event,
+    again: Callable[[], dict[str, Any]] | None = None,
 ) -> None:  # fmt: skip
     """Renew every ``HEARTBEAT_S``; after a 404 (the lease lapsed) register again with
     ``again()``'s body, as ``BatchPublication`` does."""
-    body = {"engine_id": eid, "ranks": list(range(TP))}
+    beat = RawPool.prepare(
+        "POST", f"/tp-groups/{gid}/engine/agents/heartbeat",
+        {"engine_id": eid, "ranks": list(range(TP))},
+    )  # fmt: skip
     due = time.perf_counter() + phase
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, due - time.perf_counter()))
-            return
+        # A plain sleep (the run cancels the task at its end): a wait_for on the stop event
+        # made a task and a timer a beat, the client's largest cost at 12,500 groups.
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
         sent = time.perf_counter()
         try:
-            async with s.post(f"{url}/tp-groups/{gid}/engine/agents/heartbeat", json=body) as r:
-                await r.read()
-                status = r.status
-        except (aiohttp.ClientError, TimeoutError):
+            status, _ = await pool.send(beat)
+        except OSError:
             status = 0  # the registry unreachable (its restart): the next beat tries again
         done = time.perf_counter()
         if run.window[0] <= sent < run.window[1]:
@@ -133,54 +131,63 @@ async def _beat(
             run.lags.append(sent - due)
         run.count("heartbeat", status, sent)
         if status == 404 and again is not None:
-            async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=again()) as r:
-                await r.read()
-                run.count("re-register", r.status, sent)
+            status, _ = await _put(pool, f"/tp-groups/{gid}/engine/agents", again(), run)
+            run.count("re-register", status, sent)
         due += HEARTBEAT_S
 
 
+async def _put(pool: RawPool, path: str, body: dict[str, Any], run: Run) -> tuple[int, Any]:
+    """A PUT (idempotent) sent again after the registry was unreachable, as the worker
+    library's client retries transport errors (bounded); the retries are counted."""
+    for attempt in range(5):
+        try:
+            return await pool.request("PUT", path, body)
+        except OSError:
+            key = "PUT retried after a dropped connection"
+            run.statuses[key] = run.statuses.get(key, 0) + 1
+            await asyncio.sleep(0.05 * 2**attempt)
+    return 0, None
+
+
 async def _group(
-    s: aiohttp.ClientSession, url: str, fleet: Fleet, run: Run, index: int, gid: str,
+    pool: RawPool, fleet: Fleet, run: Run, index: int, gid: str,
     gate: asyncio.Semaphore, stop: asyncio.Event, beats: list[asyncio.Task[None]],
 ) -> None:  # fmt: skip
     role = "prefill" if gid.startswith("prefill") else "decode"
     body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
     async with gate:
         t = time.perf_counter()
-        async with s.put(f"{url}/tp-groups/{gid}/engine", json=body) as r:
-            answer = await r.json()
-            run.opens.append(time.perf_counter() - t)
-            if r.status not in (200, 201):
-                run.errors.append(f"open {gid}: {r.status}")
-                return
+        status, answer = await _put(pool, f"/tp-groups/{gid}/engine", body, run)
+        run.opens.append(time.perf_counter() - t)
+        if status not in (200, 201):
+            run.errors.append(f"open {gid}: {status}")
+            return
         eid = answer["engine_id"]
         agents = {"agents": fleet.agents(index, eid)}
         t = time.perf_counter()
-        async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json=agents) as r:
-            await r.read()
-            run.registers.append(time.perf_counter() - t)
-            if r.status != 200:
-                run.errors.append(f"register {gid}: {r.status}")
-                return
+        status, _ = await _put(pool, f"/tp-groups/{gid}/engine/agents", agents, run)
+        run.registers.append(time.perf_counter() - t)
+        if status != 200:
+            run.errors.append(f"register {gid}: {status}")
+            return
         fleet.engines[gid] = eid
     phase = random.Random(index).uniform(0, HEARTBEAT_S)
     again = lambda: {"agents": fleet.agents(index, eid)}  # noqa: E731
-    beats.append(asyncio.create_task(_beat(s, url, run, gid, eid, phase, stop, again)))
+    beats.append(asyncio.create_task(_beat(pool, run, gid, eid, phase, stop, again)))
 
 
-async def _planner(
-    s: aiohttp.ClientSession, url: str, run: Run, prefill: list[str], rate: float, seed: int
-) -> None:
+async def _planner(pool: RawPool, run: Run, prefill: list[str], rate: float, seed: int) -> None:
     rng = random.Random(seed)
     body = {"tp_size": 1, "rank": 0, "compat": COMPAT}
     due = run.window[0]
     while due < run.window[1]:
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         sent = time.perf_counter()
-        async with s.post(f"{url}/engines/{rng.choice(prefill)}/handshake", json=body) as r:
-            await r.read()
-            run.plans.append(time.perf_counter() - sent)
-            run.count("handshake", r.status, sent)
+        status, _ = await pool.send(
+            RawPool.prepare("POST", f"/engines/{rng.choice(prefill)}/handshake", body)
+        )
+        run.plans.append(time.perf_counter() - sent)
+        run.count("handshake", status, sent)
         due += PLANNERS / rate
 
 
@@ -197,10 +204,12 @@ async def fleet_run(
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     out: dict[str, Any] = {}
-    async with _session(0) as s:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    pool = RawPool(host, int(port), CONNECTIONS)
+    try:
         if launch:
             await asyncio.gather(
-                *(_group(s, url, fleet, run, i, g, gate, stop, beats)
+                *(_group(pool, fleet, run, i, g, gate, stop, beats)
                   for i, g in enumerate(fleet.groups))
             )  # fmt: skip
             ready = time.perf_counter() - t0
@@ -216,7 +225,7 @@ async def fleet_run(
         else:
             rng = random.Random(3)
             beats += [
-                asyncio.create_task(_beat(s, url, run, g, e, rng.uniform(0, HEARTBEAT_S), stop))
+                asyncio.create_task(_beat(pool, run, g, e, rng.uniform(0, HEARTBEAT_S), stop))
                 for g, e in fleet.engines.items()
             ]
         start = time.perf_counter() + warmup_s
@@ -228,7 +237,7 @@ async def fleet_run(
         cpu1 = time.process_time()
         if prefill and handshakes_per_s > 0:
             await asyncio.gather(
-                *(_planner(s, url, run, prefill, handshakes_per_s, k) for k in range(PLANNERS))
+                *(_planner(pool, run, prefill, handshakes_per_s, k) for k in range(PLANNERS))
             )
         await asyncio.sleep(max(0.0, run.window[1] - time.perf_counter()))
         if on_window:
@@ -237,7 +246,11 @@ async def fleet_run(
         if after_window:
             out["after_window"] = await asyncio.to_thread(after_window)
         stop.set()
-        await asyncio.gather(*beats)
+        for task in beats:
+            task.cancel()
+        await asyncio.gather(*beats, return_exceptions=True)
+    finally:
+        pool.close()
     out["steady"] = {
         "window_s": window_s,
         "heartbeat": summary_ms(run.beats),

@@ -35,7 +35,10 @@ async def raw_app(scope: Scope, receive: Receive, send: Send) -> None:
         {
             "type": "http.response.start",
             "status": 200,
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(PING)).encode()),
+            ],
         }
     )
     await send({"type": "http.response.body", "body": PING})

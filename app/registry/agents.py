@@ -92,11 +92,8 @@ class AgentsMixin(RegistryBase):
         )
 
     async def heartbeat(self, gid: str, rank: int, engine_id: str) -> Heartbeat:
-        state = await self._current(gid, rank, engine_id)
-        agent = state.agents.get(rank)
-        if agent is None:
-            raise self._absent(gid, rank)
-        lease = await self.store.refresh_lease(agent.lease)
+        leases = await self._leases(gid, [rank], engine_id, ("rank",))
+        lease = await self.store.refresh_lease(leases[rank])
         if lease is None:
             raise self._absent(gid, rank)
         return Heartbeat.model_construct(expires_at=utc_iso(time.time() + lease.remaining_s))

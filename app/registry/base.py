@@ -26,11 +26,18 @@ from app.registry.records import (
     _engine_key,
     _group_prefix,
 )
-from app.registry.state import GroupState
+from app.registry.state import GroupLeases, GroupState
 from app.schemas import (
     Engine,
 )
 from app.store import Snapshot, Store
+
+
+def _no_group(gid: str) -> NotFound:
+    return NotFound(
+        f"No TP group {gid!r} in this registry. Its rank 0 opens it with "
+        f"PUT /tp-groups/{gid}/engine; check the group id and the registry URL."
+    )
 
 
 class RegistryBase:
@@ -71,11 +78,27 @@ class RegistryBase:
     async def _group(self, gid: str) -> GroupState:
         state = await self._group_or_none(gid)
         if state is None:
-            raise NotFound(
-                f"No TP group {gid!r} in this registry. Its rank 0 opens it with "
-                f"PUT /tp-groups/{gid}/engine; check the group id and the registry URL."
-            )
+            raise _no_group(gid)
         return state
+
+    async def _leases(
+        self, gid: str, ranks: list[int], engine_id: str, field: tuple[str, ...] = ("ranks",)
+    ) -> dict[int, int]:
+        """For a heartbeat: the lease of each of ``ranks`` (a live agent of ``engine_id``),
+        refused as ``_current`` refuses; read without parsing the agents' records."""
+        snap = await self.store.range(_group_prefix(gid))
+        group = GroupLeases.read(snap, gid, self.decoded)
+        if group is None:
+            raise _no_group(gid)
+        for rank in ranks:
+            if rank >= group.engine.tp_size:
+                raise outside_group(gid, rank, group.engine.tp_size, field)
+        if engine_id != group.engine.engine_id:
+            raise await self._mismatch(await self._group(gid), ranks[0], engine_id)
+        absent = [r for r in ranks if r not in group.leases]
+        if absent:
+            raise self._absent(gid, absent[0])
+        return {r: group.leases[r] for r in ranks}
 
     async def _group_or_none(self, gid: str, *, settled: bool = True) -> GroupState | None:
         snap = await self.store.range(_group_prefix(gid), settled=settled)

@@ -97,19 +97,11 @@ class BatchesMixin(AgentsMixin):
         raise StoreUnavailable(f"Registering a batch in group {gid!r} lost too many races.")
 
     async def heartbeat_agents(self, gid: str, engine_id: str, ranks: list[int]) -> Heartbeats:
-        state = await self._group(gid)
-        for rank in ranks:
-            if rank >= state.engine.tp_size:
-                raise outside_group(gid, rank, state.engine.tp_size, ("ranks",))
-        if engine_id != state.engine.engine_id:
-            raise await self._mismatch(state, ranks[0], engine_id)
-        absent = [r for r in ranks if r not in state.agents]
-        if absent:
-            raise self._absent(gid, absent[0])
+        leases = await self._leases(gid, ranks, engine_id)
         expiry: dict[int, str] = {}
-        for lease_id in {state.agents[r].lease for r in ranks}:
+        for lease_id in set(leases.values()):
             lease = await self.store.refresh_lease(lease_id)
-            holders = [r for r in ranks if state.agents[r].lease == lease_id]
+            holders = [r for r in ranks if leases[r] == lease_id]
             if lease is None:
                 raise self._absent(gid, holders[0])
             for r in holders:

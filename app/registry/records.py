@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import base64
+import json
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel
 
@@ -55,6 +56,14 @@ class ServingRecord(BaseModel):
     published_at: str
 
 
+class AgentLease(NamedTuple):
+    """What a heartbeat needs of an agent's record: its rank, engine and lease."""
+
+    rank: int
+    engine_id: str
+    lease: int
+
+
 class IndexRecord(BaseModel):
     group_id: str
     generation: int
@@ -89,7 +98,9 @@ def _dump(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
 
 
-RECORDS_BYTES = 64 * 1024 * 1024  # parsed records kept, by the size of their stored JSON
+RECORDS_BYTES = 64 * 1024 * 1024  # parsed agent records kept, by the size of their stored JSON
+SMALL_BYTES = 64 * 1024 * 1024  # parsed engine, index and serving records; agents' leases
+LEASE_BYTES = 160  # what an agent's lease (`AgentLease`) is counted as in SMALL_BYTES
 TEXTS_BYTES = 128 * 1024 * 1024  # base64 texts of blobs kept, by their length
 
 
@@ -156,12 +167,24 @@ def _group_of(key: str, value: object) -> str:
 class Decoded:
     """Stored records parsed once per version: reads re-parse nothing that did not change.
 
-    Bounded in bytes (``RECORDS_BYTES`` of parsed records, by the size of their stored JSON;
-    ``TEXTS_BYTES`` of blobs' base64 texts), and emptied of a group's entries when the group
-    is deleted or relaunched (``forget``): nothing is kept for a group that is gone."""
+    Bounded in bytes (``RECORDS_BYTES`` of parsed agent records, by the size of their stored
+    JSON; ``SMALL_BYTES`` of the small records and of the agents' leases; ``TEXTS_BYTES`` of
+    blobs' base64 texts), and emptied of a group's entries when the group is deleted or
+    relaunched (``forget``): nothing is kept for a group that is gone.
 
-    def __init__(self, records_bytes: int = RECORDS_BYTES, texts_bytes: int = TEXTS_BYTES) -> None:
+    The agents' records are apart because they are large (a rank's KV regions: about 1.5 KiB
+    with 80 of them) and many: past ``RECORDS_BYTES`` (some 40,000 such ranks) they are evicted
+    and parsed again, while the engines every request reads and the leases every heartbeat
+    needs (``lease``) stay (a fleet of 100,000 ranks holds about 16 MiB of leases)."""
+
+    def __init__(
+        self,
+        records_bytes: int = RECORDS_BYTES,
+        texts_bytes: int = TEXTS_BYTES,
+        small_bytes: int = SMALL_BYTES,
+    ) -> None:
         self._cache = _Cache(records_bytes)
+        self._small = _Cache(small_bytes)
         self._texts = _Cache(texts_bytes)
 
     def base64(self, entry: Entry) -> str:
@@ -176,26 +199,50 @@ class Decoded:
     def remember(self, key: str, revision: int, record: BaseModel, size: int) -> None:
         """``record`` (``size`` bytes of JSON) was just written under ``key`` at ``revision``:
         the next read of that version takes it as is (it is what parsing its JSON would give)."""
-        self._cache.put(key, revision, record, size, _group_of(key, record))
+        group = _group_of(key, record)
+        if isinstance(record, AgentRecord):
+            self._cache.put(key, revision, record, size, group)
+            lease = AgentLease(record.rank, record.engine_id, record.lease)
+            self._small.put(key, revision, lease, LEASE_BYTES, group)
+        else:
+            self._small.put(key, revision, record, size, group)
 
     def record(self, entry: Entry, kind: type[R]) -> R:
-        hit = self._cache.get(entry.key, entry.mod_revision)
+        cache = self._cache if kind is AgentRecord else self._small
+        hit = cache.get(entry.key, entry.mod_revision)
         if type(hit) is kind:
             return hit
         value = kind.model_validate_json(entry.value)
         self.remember(entry.key, entry.mod_revision, value, len(entry.value))
         return value
 
+    def lease(self, entry: Entry) -> AgentLease:
+        """An agent record's rank, engine and lease, without keeping the whole record."""
+        hit = self._small.get(entry.key, entry.mod_revision)
+        if type(hit) is AgentLease:
+            return hit
+        full = self._cache.get(entry.key, entry.mod_revision)
+        if isinstance(full, AgentRecord):
+            lease = AgentLease(full.rank, full.engine_id, full.lease)
+        else:
+            data = json.loads(entry.value)
+            lease = AgentLease(int(data["rank"]), str(data["engine_id"]), int(data["lease"]))
+        group = _group_of(entry.key, None)
+        self._small.put(entry.key, entry.mod_revision, lease, LEASE_BYTES, group)
+        return lease
+
     def forget(self, gid: str, *, keep_engines: bool = False) -> None:
         """Drop what is kept for group ``gid``: all of it when the group is deleted; its agents
         and blobs only (``keep_engines``) when a new generation replaced them."""
         gone = (f"groups/{gid}/agents/", f"blobs/{gid}/")
-        self._cache.forget(gid, (lambda key: not key.startswith(gone)) if keep_engines else None)
+        keep = (lambda key: not key.startswith(gone)) if keep_engines else None
+        self._cache.forget(gid, keep)
+        self._small.forget(gid, keep)
         self._texts.forget(gid)
 
     def sizes(self) -> tuple[int, int]:
-        """Bytes held: parsed records, base64 texts."""
-        return self._cache.bytes, self._texts.bytes
+        """Bytes held: parsed records (agents', then the small ones and leases), base64 texts."""
+        return self._cache.bytes + self._small.bytes, self._texts.bytes
 
 
 _UNCACHED = Decoded()

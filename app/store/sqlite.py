@@ -19,7 +19,6 @@ outlives a restart with its remaining time intact.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import heapq
 import logging
@@ -28,6 +27,8 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sortedcontainers import SortedList
 
 from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
@@ -73,7 +74,9 @@ class SqliteStore(Store):
             SqliteFile(self.path, synchronous=synchronous, timeout_s=timeout_s)
         )
         self._kv: dict[str, Entry] = {}
-        self._keys: list[str] = []  # sorted, for prefix ranges
+        # Sorted, for prefix ranges. A SortedList: a plain list's insort moves every key after
+        # the new one (64 us a key at 200,000 keys, a fleet's registration 1 ms), not 2 us.
+        self._keys: SortedList[str] = SortedList()
         self._leases: dict[int, _Lease] = {}
         self._expiry: list[tuple[float, int]] = []  # heap; stale items are skipped
         self._revision = 0
@@ -104,7 +107,7 @@ class SqliteStore(Store):
     def _install(self, loaded: Loaded) -> None:
         self._dirty = set()
         self._kv = {e.key: e for e in loaded.entries}
-        self._keys = [e.key for e in loaded.entries]  # ORDER BY key
+        self._keys = SortedList(e.key for e in loaded.entries)
         self._leases = {i: _Lease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
         for entry in loaded.entries:
             if entry.lease is not None and entry.lease in self._leases:
@@ -165,7 +168,7 @@ class SqliteStore(Store):
     def _set(self, entry: Entry) -> None:
         old = self._kv.get(entry.key)
         if old is None:
-            bisect.insort(self._keys, entry.key)
+            self._keys.add(entry.key)
         elif (
             old.lease is not None
             and old.lease != entry.lease
@@ -180,15 +183,13 @@ class SqliteStore(Store):
         old = self._kv.pop(key, None)
         if old is None:
             return False
-        del self._keys[bisect.bisect_left(self._keys, key)]
+        self._keys.remove(key)
         if old.lease is not None and (lease := self._leases.get(old.lease)) is not None:
             lease.keys.discard(key)
         return True
 
     def _under(self, prefix: str) -> list[str]:
-        start = bisect.bisect_left(self._keys, prefix)
-        end = bisect.bisect_left(self._keys, prefix + "\U0010ffff", start)
-        return self._keys[start:end]
+        return list(self._keys.irange(prefix, prefix + "\U0010ffff", inclusive=(True, False)))
 
     def _drop_lease(self, lease_id: int, change: Change) -> list[str]:
         lease = self._leases.pop(lease_id, None)

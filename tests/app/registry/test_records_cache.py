@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from app.registry.records import _Cache
+from app.registry.records import (
+    LEASE_BYTES,
+    AgentLease,
+    AgentRecord,
+    Decoded,
+    EngineRecord,
+    _Cache,
+)
+from app.store import Entry
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +52,29 @@ def test_a_replaced_key_moves_to_the_back_and_a_forgotten_group_leaves_nothing()
     cache.put(_key(4), 1, "big", 301, "g004")  # larger than the budget: not kept
     assert cache.get(_key(4), 1) is None
     assert (len(cache), cache.bytes) == (2, 200)
+
+
+def test_a_heartbeat_reads_an_agents_lease_without_keeping_its_whole_record() -> None:
+    """At a fleet's size the agents' records outgrow their cache; the leases every heartbeat
+    needs are kept apart (``Decoded.lease``), small, and the engines stay cached too."""
+    agent = AgentRecord(
+        rank=3, engine_id="e1", generation=1, agent_name="a", host="10.0.0.1",
+        kv={"base_addrs": list(range(80))}, ttl_s=30, registered_at="t", lease=42,
+    )  # fmt: skip
+    engine = EngineRecord(
+        group_id="g", engine_id="e1", generation=1, launch_id="l", tp_size=8, role="prefill",
+        compat={}, created_at="t",
+    )  # fmt: skip
+    decoded = Decoded(records_bytes=1)  # no agent record fits: every one is parsed anew
+    a = Entry("groups/g/agents/3", agent.model_dump_json().encode(), 5, 42)
+    e = Entry("groups/g/engine", engine.model_dump_json().encode(), 4, None)
+    assert decoded.lease(a) == AgentLease(3, "e1", 42)
+    assert decoded.record(e, EngineRecord) == engine
+    assert decoded.record(a, AgentRecord) == agent  # parsed, not kept
+    records, _ = decoded.sizes()
+    assert records == LEASE_BYTES + len(e.value), "the lease and the engine, no agent record"
+    assert decoded.lease(a) is decoded.lease(a), "kept"
+    moved = Entry(a.key, a.value.replace(b'"lease":42', b'"lease":43'), 6, 43)
+    assert decoded.lease(moved) == AgentLease(3, "e1", 43), "a new version is read again"
+    decoded.forget("g", keep_engines=True)
+    assert decoded.sizes()[0] == len(e.value), "a relaunch drops the agents' leases"
