@@ -188,19 +188,26 @@ def one_row(
 
 def ceiling(ranks: int, quick: bool) -> dict[str, Any]:
     """The same steady state against a server that answers without work: the client's own
-    latency and CPU at this pace."""
+    latency and CPU at this pace, and the server's (uvicorn with the registry's settings and
+    a bare ASGI callable: the floor of any request on this stack)."""
     port = free_port()
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
     fleet.engines = {g: f"e-{g}" for g in fleet.groups}
     warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
     url = f"http://{HOST}:{port}"
+    marks: list[float] = []
     with process([sys.executable, "-m", "bench.minimal", "raw", str(port)]) as proc:
         wait_http(url + "/", 30, proc)
         out = asyncio.run(
             fleet_run(url, fleet, warmup_s=warmup, window_s=window,
-                      handshakes_per_s=HANDSHAKES_PER_S, launch=False)
+                      handshakes_per_s=HANDSHAKES_PER_S, launch=False,
+                      on_window=lambda _: marks.append(cpu_seconds(proc.pid)))
         )  # fmt: skip
-    return dict(out["steady"])
+    steady = dict(out["steady"])
+    requests = (steady["heartbeats_per_s"] + steady["handshakes_per_s"]) * window
+    steady["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
+    steady["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, requests) * 1e6)
+    return steady
 
 
 @contextlib.contextmanager
