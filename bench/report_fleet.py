@@ -42,7 +42,10 @@ def targets(f: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
          restart <= RESTART_S),
     ]  # fmt: skip
     for r in f.get("rows", {}).get("etcd", []):
-        if _ok(r):
+        if not _ok(r):
+            out.append((f"3-member etcd, {r.get('ranks', 0):,} ranks: errors; leases",
+                        str(r.get("failed", "failed"))[:80], "one a node", False))  # fmt: skip
+        else:
             errors = r["launch"]["errors"] + sum(
                 v for k, v in r["steady"]["statuses"].items() if not k.endswith(" 200")
             )
@@ -99,7 +102,14 @@ def table(f: dict[str, Any]) -> list[str]:
             f"The client's own ceiling (the same steady state at {c['ranks']:,} ranks against "
             f"a server that does no work): heartbeat p99 {c['heartbeat']['p99_ms']} ms, client "
             f"lag p99 {c['client_lag']['p99_ms']} ms, client CPU {c['client_cpu_share']:.0%} "
-            "of a core.",
+            "of a core"
+            + (
+                f"; that server (uvicorn with the registry's settings, a bare ASGI callable) "
+                f"{c['server_core_share']:.1%} of a core, {c['server_cpu_us_per_request']} "
+                "µs a request: the floor of any request on this stack."
+                if "server_core_share" in c
+                else "."
+            ),
         ]
     for store, why in f.get("skipped", {}).items():
         lines.append(f"{store}: skipped ({why}).")

@@ -121,7 +121,8 @@ class RegistryBase:
         return [state.view() for state in await self.group_states()]
 
     async def group_states(self) -> list[GroupState]:
-        """Every group, from one range read of the store."""
+        """Every group, from one range read of the store; the agents as briefs (no ``kv``:
+        at a fleet's size the whole records outgrow their cache and each read parsed them)."""
         snap = await self.store.range("groups/")
         by_group: dict[str, list[Any]] = {}
         for entry in snap.entries:
@@ -130,7 +131,7 @@ class RegistryBase:
         states = []
         for gid, entries in by_group.items():
             sub = Snapshot(entries, snap.revision, snap.lease_remaining_s, snap.read_at)
-            state = GroupState.read(sub, gid, self.decoded)
+            state = GroupState.read(sub, gid, self.decoded, brief=True)
             if state is not None:
                 states.append(state)
         return states

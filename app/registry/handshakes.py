@@ -14,9 +14,7 @@ from app.errors import (
     NotReady,
 )
 from app.registry.base import RegistryBase
-from app.registry.records import (
-    _blob_key,
-)
+from app.registry.records import AgentRecord, _blob_key
 from app.schemas import (
     Handshake,
     HandshakeRequest,
@@ -77,6 +75,7 @@ class HandshakesMixin(RegistryBase):
         targets = []
         for r in plan.target_ranks:
             agent = state.agents[r]
+            assert isinstance(agent, AgentRecord)  # a group read whole (not briefs)
             targets.append(
                 Target.model_construct(
                     rank=r,

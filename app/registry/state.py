@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from app.registry.records import (
     _UNCACHED,
+    AgentBrief,
     AgentRecord,
     Decoded,
     EngineRecord,
@@ -26,11 +27,12 @@ from app.timefmt import utc_iso
 
 @dataclass
 class GroupState:
-    """One consistent read of a group: its engine and live agents."""
+    """One consistent read of a group: its engine and live agents (whole records, or their
+    briefs when read with ``brief``: no ``kv``, for listings, gauges and the status page)."""
 
     engine: EngineRecord
     engine_revision: int
-    agents: dict[int, AgentRecord]
+    agents: dict[int, AgentBrief]
     agent_revisions: dict[int, int]
     expires_at: dict[int, float]
     revision: int
@@ -38,10 +40,12 @@ class GroupState:
     serving_revision: int = 0
 
     @classmethod
-    def read(cls, snap: Snapshot, gid: str, decoded: Decoded = _UNCACHED) -> GroupState | None:
+    def read(
+        cls, snap: Snapshot, gid: str, decoded: Decoded = _UNCACHED, *, brief: bool = False
+    ) -> GroupState | None:
         engine: EngineRecord | None = None
         engine_revision = 0
-        agents: dict[int, AgentRecord] = {}
+        agents: dict[int, AgentBrief] = {}
         revisions: dict[int, int] = {}
         expires: dict[int, float] = {}
         serving: ServingRecord | None = None
@@ -57,7 +61,7 @@ class GroupState:
                 serving = decoded.record(entry, ServingRecord)
                 serving_revision = entry.mod_revision
             elif entry.key.startswith(agent_prefix):
-                agent = decoded.record(entry, AgentRecord)
+                agent = decoded.brief(entry) if brief else decoded.record(entry, AgentRecord)
                 agents[agent.rank] = agent
                 revisions[agent.rank] = entry.mod_revision
                 remaining = snap.lease_remaining_s.get(agent.lease, float(agent.ttl_s))
@@ -119,7 +123,7 @@ class GroupState:
 class GroupLeases:
     """What a heartbeat needs of a group, from one consistent read: its engine and the lease
     of each live agent of that engine, without parsing the agents' records
-    (``Decoded.lease``: at a fleet's size those records outgrow their cache)."""
+    (``Decoded.brief``: at a fleet's size those records outgrow their cache)."""
 
     engine: EngineRecord
     leases: dict[int, int]  # rank -> lease id
@@ -133,7 +137,7 @@ class GroupLeases:
             if entry.key == engine_key:
                 engine = decoded.record(entry, EngineRecord)
             elif entry.key.startswith(agent_prefix):
-                agents.append(decoded.lease(entry))
+                agents.append(decoded.brief(entry))
         if engine is None:
             return None
         eid = engine.engine_id

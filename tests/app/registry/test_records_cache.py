@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from app.registry.records import (
-    LEASE_BYTES,
-    AgentLease,
+    BRIEF_BYTES,
+    AgentBrief,
     AgentRecord,
     Decoded,
     EngineRecord,
@@ -54,9 +54,9 @@ def test_a_replaced_key_moves_to_the_back_and_a_forgotten_group_leaves_nothing()
     assert (len(cache), cache.bytes) == (2, 200)
 
 
-def test_a_heartbeat_reads_an_agents_lease_without_keeping_its_whole_record() -> None:
-    """At a fleet's size the agents' records outgrow their cache; the leases every heartbeat
-    needs are kept apart (``Decoded.lease``), small, and the engines stay cached too."""
+def test_briefs_of_agents_are_kept_apart_from_their_whole_records() -> None:
+    """At a fleet's size the agents' records outgrow their cache; the briefs (no ``kv``) that
+    heartbeats, listings and the status page need are kept apart, and the engines too."""
     agent = AgentRecord(
         rank=3, engine_id="e1", generation=1, agent_name="a", host="10.0.0.1",
         kv={"base_addrs": list(range(80))}, ttl_s=30, registered_at="t", lease=42,
@@ -68,13 +68,15 @@ def test_a_heartbeat_reads_an_agents_lease_without_keeping_its_whole_record() ->
     decoded = Decoded(records_bytes=1)  # no agent record fits: every one is parsed anew
     a = Entry("groups/g/agents/3", agent.model_dump_json().encode(), 5, 42)
     e = Entry("groups/g/engine", engine.model_dump_json().encode(), 4, None)
-    assert decoded.lease(a) == AgentLease(3, "e1", 42)
+    brief = decoded.brief(a)
+    assert type(brief) is AgentBrief
+    assert brief.model_dump() == agent.model_dump(exclude={"kv"})
     assert decoded.record(e, EngineRecord) == engine
-    assert decoded.record(a, AgentRecord) == agent  # parsed, not kept
+    assert decoded.record(a, AgentRecord) == agent  # parsed whole, not kept
     records, _ = decoded.sizes()
-    assert records == LEASE_BYTES + len(e.value), "the lease and the engine, no agent record"
-    assert decoded.lease(a) is decoded.lease(a), "kept"
+    assert records == BRIEF_BYTES + len(e.value), "the brief and the engine, no agent record"
+    assert decoded.brief(a) == brief
     moved = Entry(a.key, a.value.replace(b'"lease":42', b'"lease":43'), 6, 43)
-    assert decoded.lease(moved) == AgentLease(3, "e1", 43), "a new version is read again"
+    assert decoded.brief(moved).lease == 43, "a new version is read again"
     decoded.forget("g", keep_engines=True)
-    assert decoded.sizes()[0] == len(e.value), "a relaunch drops the agents' leases"
+    assert decoded.sizes()[0] == len(e.value), "a relaunch drops the agents' briefs"
