@@ -47,7 +47,7 @@ def view(
     full TTL from ``now``)."""
     entries = [group[k] for k in sorted(group)]
     snap = Snapshot(entries, revision, remaining or {}, time.time() if now is None else now)
-    state = GroupState.read(snap, gid, decoded)
+    state = GroupState.read(snap, gid, decoded, brief=True)  # a view needs no kv
     return None if state is None else state.view()
 
 
