@@ -41,9 +41,16 @@ export PIP_NO_WARN_SCRIPT_LOCATION=1
 # service dependencies (the launcher runs the registry, router-sync and vllm-router from this
 # environment too).
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
-"${PIP[@]}" install -q "fastapi>=0.115" "uvicorn[standard]>=0.30" "pydantic>=2.7" \
-    "pydantic-settings>=2.3" "httpx>=0.27" "prometheus-client>=0.20" \
-    "pytest>=8" "pytest-timeout>=2.3" "pyzmq>=26" "msgpack>=1.0" "vllm-router==0.1.17"
+# The service's dependencies are read from pyproject.toml (a list kept here once drifted: a
+# new dependency of the service was missing and the registry could not start here).
+mapfile -t SERVICE_DEPS < <("$VENV/bin/python" - "$ROOT/pyproject.toml" <<'PY'
+import sys, tomllib
+
+with open(sys.argv[1], "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+PY
+)
+"${PIP[@]}" install -q "${SERVICE_DEPS[@]}" "pytest>=8" "pytest-timeout>=2.3" "vllm-router==0.1.17"
 # vLLM finds general plugins by entry point (group vllm.general_plugins). Until pyproject.toml
 # declares ours, a metadata-only distribution declares it (no code: it names
 # workers.vllm_plugin:register, which the editable install above provides).
