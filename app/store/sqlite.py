@@ -74,8 +74,7 @@ class SqliteStore(Store):
             SqliteFile(self.path, synchronous=synchronous, timeout_s=timeout_s)
         )
         self._kv: dict[str, Entry] = {}
-        # Sorted, for prefix ranges. A SortedList: a plain list's insort moves every key after
-        # the new one (64 us a key at 200,000 keys, a fleet's registration 1 ms), not 2 us.
+        # For prefix ranges; a list's insort moved every later key (64 us a key at 200,000).
         self._keys: SortedList[str] = SortedList()
         self._leases: dict[int, _Lease] = {}
         self._expiry: list[tuple[float, int]] = []  # heap; stale items are skipped
