@@ -26,7 +26,7 @@ from app.registry.records import (
     _engine_key,
     _group_prefix,
 )
-from app.registry.state import GroupLeases, GroupState
+from app.registry.state import GroupState
 from app.schemas import (
     Engine,
 )
@@ -87,18 +87,18 @@ class RegistryBase:
         """For a heartbeat: the lease of each of ``ranks`` (a live agent of ``engine_id``),
         refused as ``_current`` refuses; read without parsing the agents' records."""
         snap = await self.store.range(_group_prefix(gid))
-        group = GroupLeases.read(snap, gid, self.decoded)
-        if group is None:
+        state = GroupState.read(snap, gid, self.decoded, brief=True)
+        if state is None:
             raise _no_group(gid)
         for rank in ranks:
-            if rank >= group.engine.tp_size:
-                raise outside_group(gid, rank, group.engine.tp_size, field)
-        if engine_id != group.engine.engine_id:
-            raise await self._mismatch(await self._group(gid), ranks[0], engine_id)
-        absent = [r for r in ranks if r not in group.leases]
+            if rank >= state.engine.tp_size:
+                raise outside_group(gid, rank, state.engine.tp_size, field)
+        if engine_id != state.engine.engine_id:
+            raise await self._mismatch(state, ranks[0], engine_id)
+        absent = [r for r in ranks if r not in state.agents]
         if absent:
             raise self._absent(gid, absent[0])
-        return {r: group.leases[r] for r in ranks}
+        return {r: state.agents[r].lease for r in ranks}
 
     async def _group_or_none(self, gid: str, *, settled: bool = True) -> GroupState | None:
         snap = await self.store.range(_group_prefix(gid), settled=settled)

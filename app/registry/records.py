@@ -169,7 +169,7 @@ class Decoded:
     """Stored records parsed once per version: reads re-parse nothing that did not change.
 
     Bounded in bytes (``RECORDS_BYTES`` of parsed agent records, by the size of their stored
-    JSON; ``SMALL_BYTES`` of the small records and of the agents' leases; ``TEXTS_BYTES`` of
+    JSON; ``SMALL_BYTES`` of the small records and of the agents' briefs; ``TEXTS_BYTES`` of
     blobs' base64 texts), and emptied of a group's entries when the group is deleted or
     relaunched (``forget``): nothing is kept for a group that is gone.
 

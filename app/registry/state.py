@@ -117,28 +117,3 @@ class GroupState:
             url=s.url, model=s.model, dp_rank=s.dp_rank, bootstrap=s.bootstrap,
             published_at=s.published_at,
         )  # fmt: skip
-
-
-@dataclass
-class GroupLeases:
-    """What a heartbeat needs of a group, from one consistent read: its engine and the lease
-    of each live agent of that engine, without parsing the agents' records
-    (``Decoded.brief``: at a fleet's size those records outgrow their cache)."""
-
-    engine: EngineRecord
-    leases: dict[int, int]  # rank -> lease id
-
-    @classmethod
-    def read(cls, snap: Snapshot, gid: str, decoded: Decoded) -> GroupLeases | None:
-        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
-        engine: EngineRecord | None = None
-        agents = []
-        for entry in snap.entries:
-            if entry.key == engine_key:
-                engine = decoded.record(entry, EngineRecord)
-            elif entry.key.startswith(agent_prefix):
-                agents.append(decoded.brief(entry))
-        if engine is None:
-            return None
-        eid = engine.engine_id
-        return cls(engine, {a.rank: a.lease for a in agents if a.engine_id == eid})
