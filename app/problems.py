@@ -47,12 +47,10 @@ def problem_response(
     )
 
 
-async def send_problem(
-    send: Send,
-    error: RegistryError,
-    scope: Scope,
-    extra_headers: list[tuple[bytes, bytes]] | None = None,
-) -> None:
+def problem_answer(
+    error: RegistryError, scope: Scope, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The problem+json answer to ``error``: status, headers (in the order sent), body."""
     _count(error, scope)
     _locate(error, scope)
     body = json.dumps(error.problem(_instance(scope)), separators=(",", ":")).encode()
@@ -61,7 +59,17 @@ async def send_problem(
         (b"content-length", str(len(body)).encode()),
         *(extra_headers or []),
     ]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    return error.status, headers, body
+
+
+async def send_problem(
+    send: Send,
+    error: RegistryError,
+    scope: Scope,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    status, headers, body = problem_answer(error, scope, extra_headers)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -44,6 +44,7 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.api.hot import HotPath
+from app.api.wire import WireProtocol
 from app.problems import PROBLEM_MEDIA_TYPE
 from app.settings import Settings, is_loopback_host
 from app.tls import server_context, tls_loop_factory
@@ -82,7 +83,7 @@ def guarded_protocol(
     # late).
     period = min(header_timeout_s, body_timeout_s)
 
-    class GuardedProtocol(HttpToolsProtocol):
+    class GuardedProtocol(WireProtocol):
         _watch: asyncio.TimerHandle | None = None
         _active = 0.0  # when the connection last opened or finished an answer
         _header_bytes = 0  # bytes of unfinished heads received
@@ -95,7 +96,7 @@ def guarded_protocol(
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._active = self._head_since = now = self.loop.time()
-            self._watch = self.loop.call_at(now + header_timeout_s, self._tick)
+            self._watch = self.loop.call_at(now + period, self._tick)
             if len(self.connections) > max_connections:
                 self._make_room()
 
@@ -206,6 +207,10 @@ def guarded_protocol(
             if self._head_bytes > max_header_bytes:
                 self._too_large()
                 return
+            if self._hot_begin():  # a hot route's, answered by WireProtocol
+                self._in_body = True
+                self._body_since = self.loop.time()
+                return
             super().on_headers_complete()
             # A watch stream cuts off a consumer that stopped reading (app/watch/stream.py).
             self.scope.setdefault("extensions", {})[TRANSPORT] = self.transport  # type: ignore[assignment]
@@ -216,7 +221,7 @@ def guarded_protocol(
 
         def _body_too_slow(self) -> None:
             cycle = self.cycle
-            if cycle is not None and not cycle.response_started:
+            if self._hot is not None or (cycle is not None and not cycle.response_started):
                 self._refuse(
                     408,
                     "Request Timeout",
@@ -229,12 +234,12 @@ def guarded_protocol(
 
         # After a refusal mid-chunk the parser goes on: there is no request cycle to feed.
         def on_body(self, body: bytes) -> None:
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and not self._hot_body(body):
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
             self._in_body = False
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and not self._hot_complete():
                 super().on_message_complete()
 
         def on_response_complete(self) -> None:
@@ -250,6 +255,7 @@ def guarded_protocol(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._hot_lost()
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:

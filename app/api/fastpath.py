@@ -43,6 +43,7 @@ from app.jsonbody import parse
 from app.middleware import replay
 from app.problems import send_problem
 from app.registry import Registry
+from app.registry.batches import heartbeats_json
 from app.schemas import (
     GROUP_ID_PATTERN,
     MAX_TP_SIZE,
@@ -58,7 +59,9 @@ from app.store import Unavailable
 _GROUP = re.compile(GROUP_ID_PATTERN)
 _JSON = [(b"content-type", b"application/json")]
 
-Handler = Callable[[Scope, list[str], bytes | None], Awaitable[tuple[int, BaseModel] | None]]
+# A handler's answer: status and model, or status and the model's JSON already written.
+Result = tuple[int, BaseModel | bytes]
+Handler = Callable[[Scope, list[str], bytes | None], Awaitable[Result | None]]
 
 
 class Fallback(Exception):
@@ -207,12 +210,11 @@ class FastPath:
             gid, body, client[0] if client else None
         )
 
-    async def _heartbeat_batch(
-        self, scope: Scope, parts: list[str], raw: bytes | None
-    ) -> tuple[int, BaseModel]:
+    async def _heartbeat_batch(self, scope: Scope, parts: list[str], raw: bytes | None) -> Result:
         gid = _group(parts[1])
         body = _body(HeartbeatsRequest, raw)
-        return 200, await self._registry(scope).heartbeat_agents(gid, body.engine_id, body.ranks)
+        renewed = await self._registry(scope).renew_agents(gid, body.engine_id, body.ranks)
+        return 200, heartbeats_json(renewed)
 
     async def _handshake(
         self, scope: Scope, parts: list[str], raw: bytes | None
@@ -246,9 +248,11 @@ def over_limit(scope: Scope, limit: int) -> bool:
     return False
 
 
-def encoded(answer: tuple[int, BaseModel]) -> tuple[int, bytes]:
+def encoded(answer: Result) -> tuple[int, bytes]:
     """A handler's answer as status and JSON body, serialized once by its model."""
     status, model = answer
+    if isinstance(model, bytes):
+        return status, model
     return status, model.__pydantic_serializer__.to_json(model)
 
 

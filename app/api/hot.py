@@ -17,6 +17,11 @@ else, including every refusal by auth and every request the fast path would hand
 goes on to the full stack untouched, which answers it as before. The pieces are the very
 instances FastAPI's stack holds (one access-log budget, one set of counters).
 ``REGISTRY_FAST_PATH=false`` turns this off with the fast path.
+
+Most hot requests do not even reach this app as ASGI: the connection's protocol
+(app/api/wire.py) takes them before uvicorn builds a request of them, and calls ``take``,
+``answer``, ``wire`` and ``finish`` here itself. This app answers the rest (a request
+pipelined behind another, one that arrived while the client was not reading its answers).
 """
 
 from __future__ import annotations
@@ -26,31 +31,34 @@ import time
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
 from app.api.fastpath import (
     Fallback,
     FastPath,
+    Handler,
     encoded,
     over_limit,
     path_parts,
     read_body,
     replayed,
-    send_json,
 )
 from app.auth import AuthMiddleware, required_role
 from app.errors import HttpProblem, RegistryError, at_edge
-from app.middleware import ObserveMiddleware, request_id_of, with_request_id
-from app.problems import send_problem
+from app.middleware import ObserveMiddleware, request_id_of
+from app.problems import problem_answer
 from app.store import Unavailable
 
 log = logging.getLogger("app")
 
-_LENGTH = b"content-length: "
-_JSON = b"\r\ncontent-type: application/json\r\nx-request-id: "
+_JSON = (b"content-type", b"application/json")
 _FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host")
 _Parts = tuple[ObserveMiddleware, AuthMiddleware, FastPath]
+# A hot route's handler, its route (for the metrics' template) and the path's segments.
+Taken = tuple[Handler, BaseRoute, list[str]]
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 class HotPath:
@@ -81,86 +89,127 @@ class HotPath:
             self._parts = (layer, auth, fast)
         return self._parts
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cycle = getattr(send, "__self__", None)
-        if (
-            scope["type"] != "http"
-            or scope["query_string"]
-            or not isinstance(cycle, RequestResponseCycle)
-            or (parts := self.parts()) is None
-        ):
-            await self.inner(scope, receive, send)
-            return
-        observe, auth, fast = parts
-        method = scope["method"]
-        segments = path_parts(scope["path"])
+    def take(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]], scope: Scope
+    ) -> Taken | None:
+        """The hot route a request is for, when nothing the outer layers do is needed and its
+        credentials pass (None: the full stack answers it). No query string: the caller's."""
+        if (parts := self.parts()) is None:
+            return None
+        _, auth, fast = parts
+        segments = path_parts(path)
         entry = None if segments is None else fast.match(method, segments)
         if (
             entry is None
             or segments is None
-            or any(name in _FORWARDED for name, _ in scope["headers"])
+            or any(name in _FORWARDED for name, _ in headers)
             or over_limit(scope, fast.limit)
         ):
-            await self.inner(scope, receive, send)
-            return
+            return None
         tokens = auth.source.tokens
         if tokens:
-            needed = required_role(method, scope["path"])
+            needed = required_role(method, path)
             if needed is not None and auth.verdict(scope, tokens, needed) is not None:
-                await self.inner(scope, receive, send)  # answered there: 401/403
-                return
-        handler, route = entry
-        raw: bytes | None = None
-        if method != "GET":
-            raw = await read_body(receive, fast.limit)
-            if raw is None or len(raw) > fast.limit:
-                await self.inner(scope, replayed(raw, receive), send)
-                return
+                return None  # the full stack answers it: 401/403
+        return entry[0], entry[1], segments
+
+    @property
+    def limit(self) -> int:
+        parts = self.parts()
+        return 0 if parts is None else parts[2].limit
+
+    async def answer(self, scope: Scope, taken: Taken, raw: bytes | None) -> Answer | None:
+        """The hot route's answer (status, headers, body), None when the full stack must
+        answer it (``Fallback``: the request is not the fast path's to answer)."""
+        handler, route, segments = taken
         scope["app"] = self.app
-        started = time.perf_counter()
         request_id = request_id_of(scope)
         try:
-            answer = await handler(scope, segments, raw)
+            result = await handler(scope, segments, raw)
         except Fallback:
-            answer = None
+            return None
         except Exception as exc:
             if not isinstance(exc, RegistryError | Unavailable):
                 log.exception("unhandled error", extra={"path": scope["path"]})
                 exc = HttpProblem(500, "internal", "The registry failed unexpectedly; see its log.")
             scope["route"] = route
-            error = at_edge(exc)
-            try:
-                await send_problem(with_request_id(send, request_id), error, scope)
-            finally:
-                observe.finish(scope, request_id, error.status, started)
+            rid = [(b"x-request-id", request_id.encode())]
+            return problem_answer(at_edge(exc), scope, rid)
+        if result is None:
+            return None
+        scope["route"] = route
+        status, body = encoded(result)
+        # The headers FastAPI's JSONResponse and the request-id layer send, in their order.
+        headers: list[tuple[bytes, bytes]] = [
+            (b"content-length", b"%d" % len(body)),
+            _JSON,
+            (b"x-request-id", request_id.encode()),
+        ]
+        return status, headers, body
+
+    def finish(self, scope: Scope, status: int, started: float) -> None:
+        """Count and log the answered request (``ObserveMiddleware``'s own bookkeeping)."""
+        parts = self.parts()
+        if parts is not None:
+            parts[0].finish(scope, scope["state"]["request_id"], status, started)
+
+    def wire(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
+             defaults: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:  # fmt: skip
+        """The whole answer as uvicorn's ``send`` would write it: its default headers (date,
+        server) first, then the answer's, then ``connection: close`` when not kept alive."""
+        if defaults is not self._defaults:  # uvicorn renews the list (its date) every second
+            self._defaults = defaults
+            self._defaults_bytes = b"".join(b"%s: %s\r\n" % (n, v) for n, v in defaults)
+        head = b"".join(b"%s: %s\r\n" % (n, v) for n, v in headers)
+        close = b"" if keep_alive else b"connection: close\r\n"
+        return b"".join((STATUS_LINE[status], self._defaults_bytes, head, close, b"\r\n", body))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cycle = getattr(send, "__self__", None)
+        taken = (
+            None
+            if scope["type"] != "http"
+            or scope["query_string"]
+            or not isinstance(cycle, RequestResponseCycle)
+            else self.take(scope["method"], scope["path"], scope["headers"], scope)
+        )
+        if taken is None or cycle is None:
+            await self.inner(scope, receive, send)
             return
+        raw: bytes | None = None
+        if scope["method"] != "GET":
+            raw = await read_body(receive, self.limit)
+            if raw is None or len(raw) > self.limit:
+                await self.inner(scope, replayed(raw, receive), send)
+                return
+        started = time.perf_counter()
+        answer = await self.answer(scope, taken, raw)
         if answer is None:
             await self.inner(scope, replayed(raw, receive), send)
             return
-        scope["route"] = route
-        status, body = encoded(answer)
+        status, headers, body = answer
         try:
-            # The headers FastAPI's JSONResponse and the request-id layer send, in their order.
-            head = b"%s%d%s%s\r\n" % (_LENGTH, len(body), _JSON, request_id.encode())
-            if not self._write(cycle, status, head, body):
-                await send_json(with_request_id(send, request_id), status, body)
+            if not self._write(cycle, status, headers, body):
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
         finally:
-            observe.finish(scope, request_id, status, started)
+            self.finish(scope, status, started)
 
-    def _write(self, cycle: RequestResponseCycle, status: int, head: bytes, body: bytes) -> bool:
+    def _write(
+        self,
+        cycle: RequestResponseCycle,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> bool:
         """The whole answer in one write, with the state changes uvicorn's ``send`` makes;
         False (nothing done) when ``send`` must do it: writes paused, client gone."""
         if cycle.flow.write_paused or cycle.disconnected or cycle.response_started:
             return False
-        defaults = cycle.default_headers
-        if defaults is not self._defaults:  # uvicorn renews the list (its date) every second
-            self._defaults = defaults
-            self._defaults_bytes = b"".join(b"%s: %s\r\n" % (n, v) for n, v in defaults)
-        close = b"" if cycle.keep_alive else b"connection: close\r\n"
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         cycle.transport.write(
-            b"".join((STATUS_LINE[status], self._defaults_bytes, head, close, b"\r\n", body))
+            self.wire(status, headers, body, cycle.default_headers, cycle.keep_alive)
         )
         cycle.response_complete = True
         cycle.message_event.set()

@@ -18,11 +18,13 @@ from app.events import EventLog
 from app.metrics import Metrics
 from app.observer import Observer
 from app.registry.records import (
+    AgentBrief,
     AgentRecord,
     Decoded,
     EngineRecord,
     IndexRecord,
     _agent_key,
+    _agent_prefix,
     _engine_key,
     _group_prefix,
 )
@@ -85,20 +87,32 @@ class RegistryBase:
         self, gid: str, ranks: list[int], engine_id: str, field: tuple[str, ...] = ("ranks",)
     ) -> dict[int, int]:
         """For a heartbeat: the lease of each of ``ranks`` (a live agent of ``engine_id``),
-        refused as ``_current`` refuses; read without parsing the agents' records."""
+        refused as ``_current`` refuses; read from the agents' briefs, no ``GroupState``
+        (a node's heartbeat at fleet scale is the registry's commonest request)."""
         snap = await self.store.range(_group_prefix(gid))
-        state = GroupState.read(snap, gid, self.decoded, brief=True)
-        if state is None:
+        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
+        engine: EngineRecord | None = None
+        briefs: list[AgentBrief] = []
+        for entry in snap.entries:
+            if entry.key == engine_key:
+                engine = self.decoded.record(entry, EngineRecord)
+            elif entry.key.startswith(agent_prefix):
+                briefs.append(self.decoded.brief(entry))
+        if engine is None:
             raise _no_group(gid)
         for rank in ranks:
-            if rank >= state.engine.tp_size:
-                raise outside_group(gid, rank, state.engine.tp_size, field)
-        if engine_id != state.engine.engine_id:
+            if rank >= engine.tp_size:
+                raise outside_group(gid, rank, engine.tp_size, field)
+        if engine_id != engine.engine_id:
+            state = GroupState.read(snap, gid, self.decoded, brief=True)
+            assert state is not None
             raise await self._mismatch(state, ranks[0], engine_id)
-        absent = [r for r in ranks if r not in state.agents]
+        # Agents of an older engine never outlive its supersession (GroupState is as strict).
+        live = {b.rank: b.lease for b in briefs if b.engine_id == engine_id}
+        absent = [r for r in ranks if r not in live]
         if absent:
             raise self._absent(gid, absent[0])
-        return {r: state.agents[r].lease for r in ranks}
+        return {r: live[r] for r in ranks}
 
     async def _group_or_none(self, gid: str, *, settled: bool = True) -> GroupState | None:
         snap = await self.store.range(_group_prefix(gid), settled=settled)
