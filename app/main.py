@@ -25,6 +25,7 @@ from app.errors import (
     RegistryError,
     at_edge,
 )
+from app.gcfreeze import Freezer
 from app.jsonbody import JsonLimitError
 from app.metrics import Metrics
 from app.middleware import TOO_LARGE, BodyLimitMiddleware, ObserveMiddleware
@@ -87,7 +88,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
         )
         log.info("registry serving", extra={"store": owned.description})
         try:
-            async with tokens.watching():
+            async with tokens.watching(), Freezer().active():
                 yield
         finally:
             await app.state.watchers.close()
