@@ -186,17 +186,18 @@ def one_row(
     }
 
 
-def ceiling(ranks: int, quick: bool) -> dict[str, Any]:
+def ceiling(ranks: int, quick: bool, kind: str = "raw") -> dict[str, Any]:
     """The same steady state against a server that answers without work: the client's own
-    latency and CPU at this pace, and the server's (uvicorn with the registry's settings and
-    a bare ASGI callable: the floor of any request on this stack)."""
+    latency and CPU at this pace, and the server's (``raw``: uvicorn with the registry's
+    settings and a bare ASGI callable, the floor of a request through uvicorn; ``protocol``:
+    an asyncio protocol with httptools, no uvicorn, the floor of the registry's wire path)."""
     port = free_port()
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
     fleet.engines = {g: f"e-{g}" for g in fleet.groups}
     warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
     url = f"http://{HOST}:{port}"
     marks: list[float] = []
-    with process([sys.executable, "-m", "bench.minimal", "raw", str(port)]) as proc:
+    with process([sys.executable, "-m", "bench.minimal", kind, str(port)]) as proc:
         wait_http(url + "/", 30, proc)
         out = asyncio.run(
             fleet_run(url, fleet, warmup_s=warmup, window_s=window,
@@ -264,6 +265,8 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                 rows[kind].append(row)
         say("fleet: the client's ceiling (bench.minimal raw)")
         top = ceiling(max(sizes), quick)
+        say("fleet: the wire path's floor (bench.minimal protocol)")
+        top["protocol"] = ceiling(max(sizes), quick, "protocol")
     return {"rows": rows, "skipped": skipped, "ceiling": {"ranks": max(sizes), **top},
             "regions": REGIONS, "blob_bytes": BLOB_BYTES, "handshakes_per_s": HANDSHAKES_PER_S,
             "load_average": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip

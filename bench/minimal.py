@@ -4,6 +4,9 @@
   like an agent registration), the framework's ceiling: what any FastAPI service answers on
   this machine before it does any work.
 - ``raw``: a bare ASGI callable answering a fixed body, to find the load client's own ceiling.
+- ``protocol``: no uvicorn and no ASGI: an asyncio protocol on uvloop parsing requests with
+  httptools (what uvicorn parses with) and answering a fixed body in one write; what the
+  registry's hot routes answered in the protocol (app/api/wire.py) cost at least.
 - ``routes``: the framework's floor for the launch storm of ``bench.storm_lean``: the
   registry's four storm routes with its own request models (``app.schemas``), answering
   fixed bodies of the registry's shape, with no storage and no logic.
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import gc
 import sys
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -121,12 +124,47 @@ def uvicorn_options() -> dict[str, Any]:
     return registry_options(Settings())
 
 
+def serve_protocol(port: int) -> None:
+    import asyncio
+
+    import httptools
+    import uvloop
+
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(PING), PING)
+    )
+
+    class Fixed(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = cast(asyncio.Transport, transport)  # uvloop's: not a subclass
+            self.parser = httptools.HttpRequestParser(self)
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_message_complete(self) -> None:
+            self.transport.write(answer)
+
+    async def run() -> None:
+        server = await asyncio.get_running_loop().create_server(
+            Fixed, "127.0.0.1", port, backlog=4096
+        )
+        await server.serve_forever()
+
+    uvloop.run(run())
+
+
 def main(argv: list[str]) -> int:
     import uvicorn
 
     from app.server import GC_THRESHOLD
 
     kind, port = argv[0], int(argv[1])
+    if kind == "protocol":
+        gc.set_threshold(*GC_THRESHOLD)
+        serve_protocol(port)
+        return 0
     app = {"raw": lambda: raw_app, "fastapi": fastapi_app, "routes": routes_app}[kind]()
     gc.set_threshold(*GC_THRESHOLD)  # the registry's own process setting (app/server.py)
     uvicorn.run(app, host="127.0.0.1", port=port, **uvicorn_options())
