@@ -106,11 +106,19 @@ def table(f: dict[str, Any]) -> list[str]:
             + (
                 f"; that server (uvicorn with the registry's settings, a bare ASGI callable) "
                 f"{c['server_core_share']:.1%} of a core, {c['server_cpu_us_per_request']} "
-                "µs a request: the floor of any request on this stack."
+                "µs a request: the floor of any request through uvicorn."
                 if "server_core_share" in c
                 else "."
             ),
         ]
+        p = c.get("protocol")
+        if p:
+            lines.append(
+                "An asyncio protocol with httptools and no uvicorn (`bench.minimal protocol`, "
+                "the floor of the registry's wire path) at the same pace: "
+                f"{p['server_core_share']:.1%} of a core, {p['server_cpu_us_per_request']} µs "
+                f"a request (heartbeat p99 {p['heartbeat']['p99_ms']} ms)."
+            )
     for store, why in f.get("skipped", {}).items():
         lines.append(f"{store}: skipped ({why}).")
     return [*lines, ""]
