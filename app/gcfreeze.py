@@ -17,13 +17,14 @@ only while the heap grows.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+from app.periodic import every
 
 log = logging.getLogger("app")
 
@@ -58,16 +59,8 @@ class Freezer:
     @contextlib.asynccontextmanager
     async def active(self) -> AsyncIterator[None]:
         gc.callbacks.append(self._callback)
-        task = asyncio.create_task(self._run())
         try:
-            yield
+            async with every(self.every_s, self.check, "heap-freezer"):
+                yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             gc.callbacks.remove(self._callback)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            self.check()

@@ -36,6 +36,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from app.auth import TokenFileError, Tokens, inline_tokens, parse_tokens, read_tokens_file
+from app.periodic import every
 
 log = logging.getLogger("app")
 
@@ -170,18 +171,10 @@ class TokenSource:
         if on_signal:
             loop.add_signal_handler(signal.SIGHUP, self.on_sighup)
 
-        async def poll() -> None:
-            while True:
-                await asyncio.sleep(CHECK_INTERVAL_S)
-                self.check()
-
-        task = asyncio.create_task(poll(), name="tokens-file-watch")
         try:
-            yield
+            async with every(CHECK_INTERVAL_S, self.check, "tokens-file-watch"):
+                yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             if on_signal:
                 loop.remove_signal_handler(signal.SIGHUP)
 

@@ -34,6 +34,7 @@ from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 
 ROUNDS, PER_ROUND = 7, 5000
+ANSWER_S = 30.0  # an answer not written by then fails the run
 
 
 class KeptTransport(asyncio.Transport):
@@ -101,7 +102,7 @@ async def measure(groups: int, connections: int, profile: Path | None) -> dict[s
             protocol, transport = conns[turn % connections]
             turn += 1
             protocol.data_received(data)
-            await transport.written.wait()
+            await asyncio.wait_for(transport.written.wait(), ANSWER_S)
             transport.written.clear()
             answer = transport.out.pop()
             transport.out.clear()

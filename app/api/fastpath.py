@@ -43,7 +43,6 @@ from app.jsonbody import parse
 from app.middleware import replay
 from app.problems import send_problem
 from app.registry import Registry
-from app.registry.batches import heartbeats_json
 from app.schemas import (
     GROUP_ID_PATTERN,
     MAX_TP_SIZE,
@@ -280,3 +279,10 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
 
 def replayed(raw: bytes | None, receive: Receive) -> Receive:
     return receive if raw is None else replay(raw, receive)
+
+
+def heartbeats_json(renewed: list[tuple[int, str]]) -> bytes:
+    """``Heartbeats`` as its model serializes it (the expiries are ASCII: nothing to escape)."""
+    return b'{"agents":[%s]}' % b",".join(
+        b'{"rank":%d,"expires_at":"%s"}' % (r, at.encode()) for r, at in renewed
+    )

@@ -105,8 +105,8 @@ class BatchesMixin(AgentsMixin):
     async def renew_agents(
         self, gid: str, engine_id: str, ranks: list[int]
     ) -> list[tuple[int, str]]:
-        """A batch heartbeat: each rank with its lease's new expiry (``heartbeats_json``
-        writes it as ``Heartbeats`` does, without a model a rank: the hot path's answer)."""
+        """A batch heartbeat: each rank with its lease's new expiry (the fast path writes it as
+        ``Heartbeats`` does, without a model a rank: ``app.api.fastpath.heartbeats_json``)."""
         leases = await self._leases(gid, ranks, engine_id)
         expiry: dict[int, str] = {}
         for lease_id in set(leases.values()):
@@ -118,10 +118,3 @@ class BatchesMixin(AgentsMixin):
             for r in holders:
                 expiry[r] = at
         return [(r, expiry[r]) for r in ranks]
-
-
-def heartbeats_json(renewed: list[tuple[int, str]]) -> bytes:
-    """``Heartbeats`` as its model serializes it (the expiries are ASCII: nothing to escape)."""
-    return b'{"agents":[%s]}' % b",".join(
-        b'{"rank":%d,"expires_at":"%s"}' % (r, at.encode()) for r, at in renewed
-    )

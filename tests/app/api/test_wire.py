@@ -8,7 +8,6 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -97,9 +96,7 @@ def test_a_hot_request_whose_body_stalls_is_refused_408(server: RegistryProcess)
     assert BODY_TIMEOUT_S - 0.5 <= waited <= 3 * BODY_TIMEOUT_S + 1, waited
 
 
-def test_a_client_gone_mid_answer_leaves_the_server_serving(
-    server: RegistryProcess, tmp_path: Path
-) -> None:
+def test_a_client_gone_mid_answer_leaves_the_server_serving(server: RegistryProcess) -> None:
     """Twenty connections each send a heartbeat and close at once; the server writes no
     answer to a closed connection, logs no error, and answers the next client."""
     eid = _group(server.url, "wire-gone")
