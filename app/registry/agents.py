@@ -92,7 +92,9 @@ class AgentsMixin(RegistryBase):
         )
 
     async def heartbeat(self, gid: str, rank: int, engine_id: str) -> Heartbeat:
-        leases = await self._leases(gid, [rank], engine_id, ("rank",))
+        leases = self._leases_now(gid, [rank], engine_id)
+        if leases is None:
+            leases = await self._leases(gid, [rank], engine_id, ("rank",))
         lease = await self.store.refresh_lease(leases[rank])
         if lease is None:
             raise self._absent(gid, rank)

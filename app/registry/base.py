@@ -83,6 +83,25 @@ class RegistryBase:
             raise _no_group(gid)
         return state
 
+    def _leases_now(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
+        """``_leases`` read from the store's memory without waiting, for a heartbeat that
+        renews what it should (None: anything else, which ``_leases`` answers or refuses)."""
+        entries = self.store.peek([_engine_key(gid), *(_agent_key(gid, r) for r in ranks)])
+        if entries is None or entries[0] is None:
+            return None
+        engine = self.decoded.record(entries[0], EngineRecord)
+        if engine.engine_id != engine_id:
+            return None
+        leases: dict[int, int] = {}
+        for rank, entry in zip(ranks, entries[1:], strict=True):
+            if entry is None or rank >= engine.tp_size:
+                return None
+            brief = self.decoded.brief(entry)
+            if brief.engine_id != engine_id:
+                return None
+            leases[rank] = brief.lease
+        return leases
+
     async def _leases(
         self, gid: str, ranks: list[int], engine_id: str, field: tuple[str, ...] = ("ranks",)
     ) -> dict[int, int]:

@@ -152,6 +152,11 @@ class Store(ABC):
         after its own commit, which lands after theirs and fails with them. A store whose
         reads are always durable (etcd) ignores it."""
 
+    def peek(self, keys: Sequence[str]) -> list[Entry | None] | None:
+        """The live entries at ``keys`` read now, without waiting, when the store holds them in
+        memory and none has a change on its way (None: read them with :meth:`get`)."""
+        return None
+
     @abstractmethod
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
         """Apply ``ops`` atomically if every compare holds; else change nothing."""

@@ -221,6 +221,12 @@ class SqliteStore(Store):
         entry = self._kv.get(key)
         return entry if entry is not None and self._alive(entry, time.time()) else None
 
+    def peek(self, keys: Sequence[str]) -> list[Entry | None] | None:
+        if self._failure is not None or not self._loaded or not self._pending.settled(keys):
+            return None
+        now = time.time()
+        return [e if (e := self._kv.get(k)) and self._alive(e, now) else None for k in keys]
+
     async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
         await self._usable()
         if settled:
@@ -393,8 +399,5 @@ class SqliteStore(Store):
         await self._thread.stop(self._timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "keys": len(self._kv),
-            "leases": len(self._leases),
-            "pending": self._pending.inflight,
-        }
+        kv, leases, pending = len(self._kv), len(self._leases), self._pending.inflight
+        return {"keys": kv, "leases": leases, "pending": pending}

@@ -131,6 +131,11 @@ class Pending:
             asyncio.get_running_loop().call_later(self._period, self._expire) if waiting else None
         )
 
+    def settled(self, keys: Iterable[str]) -> bool:
+        """None of ``keys`` has a change on its way to the file."""
+        pending = self.keys
+        return not pending or not any(key in pending for key in keys)
+
     async def settle_keys(self, keys: Iterable[str]) -> None:
         """Wait until none of ``keys`` has a change on its way to the file."""
         deadline = time.monotonic() + self.timeout_s

@@ -122,6 +122,41 @@ def test_a_range_waits_for_pending_changes_under_its_prefix_only(tmp_path: Path)
     asyncio.run(main())
 
 
+def test_peek_reads_memory_only_for_keys_with_nothing_on_its_way(tmp_path: Path) -> None:
+    """``peek`` (the heartbeat's read): live entries at once, None for a key expired or absent,
+    and no answer at all while one of its keys has a change not yet durable."""
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
+        await store.start()
+        try:
+            short = await store.grant_lease(5)
+            await store.txn([], [Put("g/a", b"1"), Put("g/b", b"2", lease=short.id)])
+            peeked = store.peek(["g/a", "g/b", "g/none"])
+            assert peeked is not None
+            assert [e.value if e else None for e in peeked] == [b"1", b"2", None]
+            store._leases[short.id].expires_at = 0.0  # lapsed, not yet swept
+            peeked = store.peek(["g/b"])
+            assert peeked == [None]
+            release, held = await _hold_thread(store)
+            write = asyncio.ensure_future(store.txn([], [Put("g/a", b"3")]))
+            await asyncio.sleep(0.05)
+            assert not write.done()
+            assert store.peek(["g/other", "g/a"]) is None  # g/a is on its way
+            assert store.peek(["g/other"]) == [None]
+            release.set()
+            await held
+            await write
+            peeked = store.peek(["g/a"])
+            assert peeked is not None
+            assert peeked[0] is not None
+            assert peeked[0].value == b"3"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_batch_larger_than_one_statement_is_written_whole(tmp_path: Path) -> None:
     async def main() -> None:
         store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
