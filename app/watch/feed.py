@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 
-from app.registry.records import Decoded, _engine_key
+from app.registry.records import Decoded, EngineRecord, _engine_key
 from app.registry.state import GroupState
 from app.schemas import Engine
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
@@ -54,6 +54,11 @@ def view(
 def encode(kind: str, revision: int, engine: Engine | None) -> bytes:
     body = b"null" if engine is None else engine.__pydantic_serializer__.to_json(engine)
     return b'{"type":"%s","revision":%d,"object":%s}\n' % (kind.encode(), revision, body)
+
+
+def _line(kind: str, revision: int, gid: str, group: Group, decoded: Decoded, now: float) -> bytes:
+    """An event's wire line: the group's engine as the API showed it at ``revision``."""
+    return encode(kind, revision, view(gid, group, revision, decoded, now=now))
 
 
 class Feed:
@@ -150,19 +155,19 @@ class Feed:
         self._wake()
 
     def _event(self, gid: str, before: Group | None, revision: int, now: float) -> None:
+        """The group's event; its line (the engine's view) is made when a watcher reads it.
+        ``GroupState.read`` has an engine exactly when the engine's key is there."""
         after = self.groups.get(gid)
-        new = view(gid, after, revision, self.decoded, now=now) if after else None
-        if new is not None:
-            existed = before is not None and _engine_key(gid) in before
-            kind, shown = ("MODIFIED" if existed else "ADDED"), new
+        key = _engine_key(gid)
+        if after is not None and key in after:
+            kind, shown = ("MODIFIED" if before is not None and key in before else "ADDED"), after
+        elif before is not None and key in before:
+            kind, shown = "DELETED", before
         else:
-            old = view(gid, before, revision, self.decoded, now=now) if before else None
-            if old is None:
-                return  # keys of no engine, before and after
-            kind, shown = "DELETED", old
-        self.log.append(
-            GroupEvent(revision, gid, kind, shown.role, encode(kind, revision, shown), before)
-        )
+            return  # keys of no engine, before and after
+        role = self.decoded.record(shown[key], EngineRecord).role
+        args = (kind, revision, gid, shown, self.decoded, now)
+        self.log.append(GroupEvent(revision, gid, kind, role, _line, before, *args))
 
     # -- waiting -----------------------------------------------------------------------------
 

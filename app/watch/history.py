@@ -1,31 +1,55 @@
 """The bounded log of group changes a replica keeps for its watchers and its list pages.
 
 Each entry is one change of one group at one store revision, with its wire line encoded once
-(every watcher sends the same bytes) and the group's stored entries as they were before it
-(so a list page can be read as of an earlier revision: ``as_of``). Entries are addressed by
-a position that only grows (``offset`` counts the ones dropped), and the log keeps the bytes
-written before each position, so a watcher's lag in bytes is one subtraction.
+when first read (every watcher sends the same bytes), and the group's stored entries as they
+were before it (so a list page can be read as of an earlier revision: ``as_of``). Entries are
+addressed by a position that only grows (``offset`` counts the ones dropped), and the log
+keeps the bytes written before each position, so a watcher's lag in bytes is one subtraction.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 from app.store import Entry
 
 Group = Mapping[str, Entry]  # a group's stored entries: its engine key and its agents' keys
 
 
-@dataclass(frozen=True, slots=True)
 class GroupEvent:
-    revision: int
-    gid: str
-    kind: str  # ADDED, MODIFIED, DELETED
-    role: str
-    line: bytes
-    before: Group | None  # the group's entries before this change (None: it did not exist)
+    """One change of one group. Its wire ``line`` (the engine's view, encoded) is made on
+    first use, by a watcher or the byte count of the watchers' budgets: a replica nobody
+    watches makes none (a fleet's launch is two changes a group). What makes it is kept as
+    plain fields (``make(shown, *args)``), not a closure: a launch's events would otherwise
+    be some 6 more objects each for the garbage collector to traverse."""
+
+    __slots__ = ("_args", "_line", "_make", "before", "gid", "kind", "revision", "role")
+
+    def __init__(
+        self,
+        revision: int,
+        gid: str,
+        kind: str,  # ADDED, MODIFIED, DELETED
+        role: str,
+        line: bytes | Callable[..., bytes],
+        before: Group | None,  # the group's entries before this change (None: it did not exist)
+        *args: object,  # what ``line`` (a callable) is called with
+    ) -> None:
+        self.revision, self.gid, self.kind, self.role, self.before = (
+            revision, gid, kind, role, before
+        )  # fmt: skip
+        self._line: bytes | None = line if isinstance(line, bytes) else None
+        self._make: Callable[..., bytes] | None = None if isinstance(line, bytes) else line
+        self._args: tuple[object, ...] | None = args or None
+
+    @property
+    def line(self) -> bytes:
+        if self._line is None:
+            assert self._make is not None
+            self._line = self._make(*(self._args or ()))
+            self._make = self._args = None
+        return self._line
 
 
 class EventLog:
@@ -33,10 +57,12 @@ class EventLog:
         self.keep = max(1, keep)
         self.events: list[GroupEvent] = []
         self._revisions: list[int] = []
-        self._starts: list[int] = []  # bytes of every line before each event
+        # Bytes of the lines before each event, from an arbitrary base (only differences are
+        # read), for the events up to the first whose line is not made yet.
+        self._starts: list[int] = []
         self.offset = 0  # position of events[0]
         self.oldest = 0  # a watch or a page may be at this revision or later
-        self.total = 0  # bytes of every line ever appended
+        self._total = 0  # bytes of the lines counted in _starts
 
     def reset(self, revision: int) -> None:
         self.offset += len(self.events)
@@ -48,11 +74,17 @@ class EventLog:
         """The position after the newest event."""
         return self.offset + len(self.events)
 
+    @property
+    def total(self) -> int:
+        """Bytes of every line up to the newest event (making the lines not made yet)."""
+        for event in self.events[len(self._starts) :]:
+            self._starts.append(self._total)
+            self._total += len(event.line)
+        return self._total
+
     def append(self, event: GroupEvent) -> None:
         self.events.append(event)
         self._revisions.append(event.revision)
-        self._starts.append(self.total)
-        self.total += len(event.line)
         if len(self.events) > self.keep + self.keep // 4:  # trim in steps, whole revisions
             cut = len(self.events) - self.keep
             while cut < len(self.events) and self._revisions[cut] == self._revisions[cut - 1]:
@@ -72,9 +104,10 @@ class EventLog:
 
     def bytes_before(self, position: int) -> int:
         """Bytes of every line before ``position``."""
+        total = self.total
         i = position - self.offset
         if i >= len(self._starts):
-            return self.total
+            return total
         return self._starts[max(i, 0)]
 
     def as_of(self, revision: int, groups: Mapping[str, Group]) -> dict[str, Group]:

@@ -43,6 +43,34 @@ def test_bytes_before_a_position_measure_a_watchers_lag() -> None:
     assert log.bytes_before(log.end) == log.total
 
 
+def test_lines_are_made_only_when_read_and_counted_in_order() -> None:
+    made: list[int] = []
+
+    def lazy(revision: int, size: int) -> GroupEvent:
+        def line() -> bytes:
+            made.append(revision)
+            return b"y" * size
+
+        return GroupEvent(revision, "g", "MODIFIED", "prefill", line, None)
+
+    log = EventLog(keep=4)
+    for revision in range(1, 7):  # past keep + keep // 4: the first two go, never made
+        log.append(lazy(revision, revision))
+    assert made == []
+    assert log.offset == 2
+    first = log.at(2)
+    assert first is not None
+    assert first.line == b"yyy"
+    assert made == [3]
+    # The watchers' byte count makes the rest, once each, in order.
+    assert log.bytes_before(log.end) - log.bytes_before(2) == 3 + 4 + 5 + 6
+    assert log.bytes_before(4) - log.bytes_before(2) == 3 + 4
+    assert made == [3, 4, 5, 6]
+    log.append(lazy(7, 7))
+    assert log.total - log.bytes_before(log.end - 1) == 7
+    assert made == [3, 4, 5, 6, 7]
+
+
 def test_as_of_undoes_the_changes_after_a_revision() -> None:
     old_a = {"groups/a/engine": Entry("groups/a/engine", b"1", 1)}
     new_a = {"groups/a/engine": Entry("groups/a/engine", b"2", 5)}
