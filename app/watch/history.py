@@ -4,7 +4,8 @@ Each entry is one change of one group at one store revision, with its wire line 
 when first read (every watcher sends the same bytes), and the group's stored entries as they
 were before it (so a list page can be read as of an earlier revision: ``as_of``). Entries are
 addressed by a position that only grows (``offset`` counts the ones dropped), and the log
-keeps the bytes written before each position, so a watcher's lag in bytes is one subtraction.
+keeps running byte counts over the events watchers are behind on, so a watcher's lag in bytes
+is one subtraction.
 """
 
 from __future__ import annotations
@@ -57,30 +58,25 @@ class EventLog:
         self.keep = max(1, keep)
         self.events: list[GroupEvent] = []
         self._revisions: list[int] = []
-        # Bytes of the lines before each event, from an arbitrary base (only differences are
-        # read), for the events up to the first whose line is not made yet.
-        self._starts: list[int] = []
         self.offset = 0  # position of events[0]
         self.oldest = 0  # a watch or a page may be at this revision or later
-        self._total = 0  # bytes of the lines counted in _starts
+        # The counted window, events[_first:] (to the newest, once counted): _starts[j] is a
+        # running count of line bytes before events[_first + j], from any base (only
+        # differences are read), _total the count after the last counted event. A window is
+        # started where a watcher first needs it: lines before it are never made for a count.
+        self._first = 0
+        self._starts: list[int] = []
+        self._total = 0
 
     def reset(self, revision: int) -> None:
         self.offset += len(self.events)
-        self.events, self._revisions, self._starts = [], [], []
+        self.events, self._revisions, self._starts, self._first = [], [], [], 0
         self.oldest = revision
 
     @property
     def end(self) -> int:
         """The position after the newest event."""
         return self.offset + len(self.events)
-
-    @property
-    def total(self) -> int:
-        """Bytes of every line up to the newest event (making the lines not made yet)."""
-        for event in self.events[len(self._starts) :]:
-            self._starts.append(self._total)
-            self._total += len(event.line)
-        return self._total
 
     def append(self, event: GroupEvent) -> None:
         self.events.append(event)
@@ -90,7 +86,10 @@ class EventLog:
             while cut < len(self.events) and self._revisions[cut] == self._revisions[cut - 1]:
                 cut += 1
             self.oldest = self._revisions[cut - 1]
-            del self.events[:cut], self._revisions[:cut], self._starts[:cut]
+            del self.events[:cut], self._revisions[:cut]
+            if cut > self._first:
+                del self._starts[: cut - self._first]
+            self._first = max(self._first - cut, 0)
             self.offset += cut
 
     def after(self, revision: int) -> int:
@@ -102,13 +101,25 @@ class EventLog:
         i = position - self.offset
         return self.events[i] if 0 <= i < len(self.events) else None
 
-    def bytes_before(self, position: int) -> int:
-        """Bytes of every line before ``position``."""
-        total = self.total
-        i = position - self.offset
-        if i >= len(self._starts):
-            return total
-        return self._starts[max(i, 0)]
+    def bytes_after(self, position: int) -> int:
+        """Bytes of the lines from ``position`` (or the oldest kept) to the newest event:
+        a watcher's lag. Makes the lines of those events not made yet, and of no other."""
+        i = max(position - self.offset, 0)
+        if i >= len(self.events):
+            return 0
+        if not self._starts or i > self._first + len(self._starts):
+            self._first, self._starts, self._total = i, [], 0  # a window of its own
+        elif i < self._first:  # the window grows back to i
+            at, back = self._starts[0], []
+            for event in reversed(self.events[i : self._first]):
+                at -= len(event.line)
+                back.append(at)
+            self._starts[:0] = back[::-1]
+            self._first = i
+        for event in self.events[self._first + len(self._starts) :]:
+            self._starts.append(self._total)
+            self._total += len(event.line)
+        return self._total - self._starts[i - self._first]
 
     def as_of(self, revision: int, groups: Mapping[str, Group]) -> dict[str, Group]:
         """Every group's entries as they were at ``revision`` (at or after ``oldest``), from

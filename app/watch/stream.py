@@ -189,7 +189,7 @@ class Watchers:
                 if stream.epoch != self.feed.epoch or stream.position < log.offset:
                     stream.finish(stream.compacted_line(), slow=stream.epoch == self.feed.epoch)
                     continue
-                unsent = log.total - max(log.bytes_before(stream.position), stream.base)
+                unsent = log.bytes_after(max(stream.position, stream.base))
                 if unsent > self.budget_bytes:
                     stream.finish(
                         error_line(
@@ -225,7 +225,7 @@ class WatchStream(Response):
         self.revision = after  # every change up to here was sent (or skipped)
         self.position = feed.log.after(min(after, feed.progress))
         self._skip_until = after
-        self.base = feed.log.total  # what came before it subscribed is not on its budget
+        self.base = feed.log.end  # what came before it subscribed is not on its budget
         self.final: bytes | None = None
         self._cut: asyncio.Future[None] | None = None
         self.ended = False

@@ -33,17 +33,18 @@ def test_the_log_trims_whole_revisions_and_keeps_positions_growing() -> None:
     assert log.after(2) == 2
 
 
-def test_bytes_before_a_position_measure_a_watchers_lag() -> None:
+def test_bytes_after_a_position_measure_a_watchers_lag() -> None:
     log = EventLog(keep=100)
     for revision in range(1, 6):
         log.append(event(revision, "g", size=revision))
-    assert log.total == 1 + 2 + 3 + 4 + 5
-    assert log.bytes_before(0) == 0
-    assert log.bytes_before(3) == 1 + 2 + 3
-    assert log.bytes_before(log.end) == log.total
+    assert log.bytes_after(0) == 1 + 2 + 3 + 4 + 5
+    assert log.bytes_after(3) == 4 + 5
+    assert log.bytes_after(log.end) == 0
+    log.append(event(6, "g", size=6))
+    assert log.bytes_after(3) == 4 + 5 + 6
 
 
-def test_lines_are_made_only_when_read_and_counted_in_order() -> None:
+def test_lines_are_made_only_for_what_a_watcher_is_behind_on() -> None:
     made: list[int] = []
 
     def lazy(revision: int, size: int) -> GroupEvent:
@@ -62,13 +63,19 @@ def test_lines_are_made_only_when_read_and_counted_in_order() -> None:
     assert first is not None
     assert first.line == b"yyy"
     assert made == [3]
-    # The watchers' byte count makes the rest, once each, in order.
-    assert log.bytes_before(log.end) - log.bytes_before(2) == 3 + 4 + 5 + 6
-    assert log.bytes_before(4) - log.bytes_before(2) == 3 + 4
-    assert made == [3, 4, 5, 6]
+    # A watcher behind from position 4 (revision 5): those lines only, each made once.
+    assert log.bytes_after(4) == 5 + 6
+    assert made == [3, 5, 6]
+    # One further behind: the count grows back to it.
+    assert log.bytes_after(2) == 3 + 4 + 5 + 6
+    assert made == [3, 5, 6, 4]
+    assert log.bytes_after(4) == 5 + 6
     log.append(lazy(7, 7))
-    assert log.total - log.bytes_before(log.end - 1) == 7
-    assert made == [3, 4, 5, 6, 7]
+    log.append(lazy(8, 8))  # trims revisions 3 and 4 (counted) from the front
+    assert log.offset == 4
+    assert log.bytes_after(log.end - 1) == 8
+    assert log.bytes_after(0) == 5 + 6 + 7 + 8  # from the oldest kept
+    assert made == [3, 5, 6, 4, 8, 7]
 
 
 def test_as_of_undoes_the_changes_after_a_revision() -> None:
