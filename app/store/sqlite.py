@@ -86,7 +86,7 @@ class SqliteStore(Store):
         self._dirty: set[int] = set()
         self._loaded = False
         self._failure: FileFailure | None = None
-        self._recovering: asyncio.Lock | None = None
+        self._recovering = asyncio.Lock()  # bound to a loop on first use (Python >= 3.10)
         self._waiters = Waiters()
         self._history = History(history)
         self._sweeper: asyncio.Task[None] | None = None
@@ -117,15 +117,12 @@ class SqliteStore(Store):
             self._history.reset(loaded.revision)
         self._revision, self._next_lease = loaded.revision, loaded.next_lease
         self._pending.clear()
-        self._loaded = True
-        self._failure = None
+        self._loaded, self._failure = True, None
 
     async def _recover(self) -> None:
         """(Re)load memory from the file: at start, and after a failed commit."""
         if self._closed:
             raise Unavailable("The SQLite store is closed (the service is shutting down).")
-        if self._recovering is None:
-            self._recovering = asyncio.Lock()
         async with self._recovering:
             if self._loaded and self._failure is None:
                 return
