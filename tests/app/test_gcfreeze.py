@@ -41,3 +41,37 @@ def test_a_slow_collection_freezes_the_heap_at_the_next_check_only() -> None:
     assert frozen >= kept  # the lists kept alive are among the frozen objects
     assert again is False
     assert freezer._callback not in gc.callbacks  # removed on leaving
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_slow_young_collection_that_freed_nothing_makes_the_next_one_start_frozen() -> None:
+    gc.unfreeze()
+    gc.disable()  # only the collections this test asks for
+    freezer = Freezer(slow_s=0.0, every_s=3600.0)  # slow_s 0: every collection counts as slow
+    gc.callbacks.append(freezer._callback)
+    try:
+        kept = [[i] for i in range(50_000)]  # long-lived objects, as a launch leaves
+        gc.collect(1)  # slow, freed nothing: the heap grows
+        assert freezer.early == 0
+        more = [[i] for i in range(50_000)]
+        before = gc.get_freeze_count()
+        freezer.slow_s = 3600.0  # the frozen collection is quick, as it is in a launch
+        gc.collect(1)  # starts by freezing; walks nothing
+        assert freezer.early == 1
+        assert gc.get_freeze_count() >= before + len(more)
+        gc.collect(1)  # the one after runs for real (not slow now): no freeze
+        assert freezer.early == 1
+        freezer.slow_s = 0.0
+        _Cycle()  # garbage in a cycle: the next collection frees it
+        gc.collect(1)
+        gc.collect(1)  # so no freeze at this one's start
+        assert freezer.early == 1
+        assert len(kept) == len(more)
+    finally:
+        gc.callbacks.remove(freezer._callback)
+        gc.enable()
+        gc.unfreeze()
