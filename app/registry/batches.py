@@ -107,7 +107,7 @@ class BatchesMixin(AgentsMixin):
     ) -> list[tuple[int, str]]:
         """A batch heartbeat: each rank with its lease's new expiry (the fast path writes it as
         ``Heartbeats`` does, without a model a rank: ``app.api.fastpath.heartbeats_json``)."""
-        leases = self._leases_now(gid, ranks, engine_id) if ranks else None
+        leases = self._leases_now(gid, ranks, engine_id)
         if leases is None:
             leases = await self._leases(gid, ranks, engine_id)
         expiry: dict[int, str] = {}

@@ -22,8 +22,8 @@ class GroupEvent:
     """One change of one group. Its wire ``line`` (the engine's view, encoded) is made on
     first use, by a watcher or the byte count of the watchers' budgets: a replica nobody
     watches makes none (a fleet's launch is two changes a group). What makes it is kept as
-    plain fields (``make(shown, *args)``), not a closure: a launch's events would otherwise
-    be some 6 more objects each for the garbage collector to traverse."""
+    plain fields (the callable and its arguments), not a closure: a launch's events would
+    otherwise be some 6 more objects each for the garbage collector to traverse."""
 
     __slots__ = ("_args", "_line", "_make", "before", "gid", "kind", "revision", "role")
 
