@@ -10,7 +10,6 @@ from app.errors import (
     InvalidRequest,
     StoreUnavailable,
 )
-from app.registry.base import RegistryBase
 from app.registry.records import (
     MAX_ATTEMPTS,
     AgentRecord,
@@ -19,6 +18,7 @@ from app.registry.records import (
     _dump,
     _engine_key,
 )
+from app.registry.renewals import RenewalsMixin
 from app.schemas import (
     Agent,
     Heartbeat,
@@ -30,7 +30,7 @@ from app.store import Compare, Delete, Put
 from app.timefmt import utc_iso
 
 
-class AgentsMixin(RegistryBase):
+class AgentsMixin(RenewalsMixin):
     # -- agents ------------------------------------------------------------------------------
 
     async def register_agent(
@@ -92,12 +92,7 @@ class AgentsMixin(RegistryBase):
         )
 
     async def heartbeat(self, gid: str, rank: int, engine_id: str) -> Heartbeat:
-        leases = self._leases_now(gid, [rank], engine_id)
-        if leases is None:
-            leases = await self._leases(gid, [rank], engine_id, ("rank",))
-        lease = await self.store.refresh_lease(leases[rank])
-        if lease is None:
-            raise self._absent(gid, rank)
+        lease = (await self._renewals(gid, [rank], engine_id, ("rank",)))[rank]
         return Heartbeat.model_construct(expires_at=utc_iso(time.time() + lease.remaining_s))
 
     async def deregister(self, gid: str, rank: int, engine_id: str) -> None:

@@ -18,13 +18,11 @@ from app.events import EventLog
 from app.metrics import Metrics
 from app.observer import Observer
 from app.registry.records import (
-    AgentBrief,
     AgentRecord,
     Decoded,
     EngineRecord,
     IndexRecord,
     _agent_key,
-    _agent_prefix,
     _engine_key,
     _group_prefix,
 )
@@ -82,56 +80,6 @@ class RegistryBase:
         if state is None:
             raise _no_group(gid)
         return state
-
-    def _leases_now(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
-        """``_leases`` read from the store's memory without waiting, for a heartbeat that
-        renews what it should (None: anything else, which ``_leases`` answers or refuses)."""
-        entries = self.store.peek([_engine_key(gid), *(_agent_key(gid, r) for r in ranks)])
-        if entries is None or entries[0] is None:
-            return None
-        engine = self.decoded.record(entries[0], EngineRecord)
-        if engine.engine_id != engine_id:
-            return None
-        leases: dict[int, int] = {}
-        for rank, entry in zip(ranks, entries[1:], strict=True):
-            if entry is None or rank >= engine.tp_size:
-                return None
-            brief = self.decoded.brief(entry)
-            if brief.engine_id != engine_id:
-                return None
-            leases[rank] = brief.lease
-        return leases
-
-    async def _leases(
-        self, gid: str, ranks: list[int], engine_id: str, field: tuple[str, ...] = ("ranks",)
-    ) -> dict[int, int]:
-        """For a heartbeat: the lease of each of ``ranks`` (a live agent of ``engine_id``),
-        refused as ``_current`` refuses; read from the agents' briefs, no ``GroupState``
-        (a node's heartbeat at fleet scale is the registry's commonest request)."""
-        snap = await self.store.range(_group_prefix(gid))
-        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
-        engine: EngineRecord | None = None
-        briefs: list[AgentBrief] = []
-        for entry in snap.entries:
-            if entry.key == engine_key:
-                engine = self.decoded.record(entry, EngineRecord)
-            elif entry.key.startswith(agent_prefix):
-                briefs.append(self.decoded.brief(entry))
-        if engine is None:
-            raise _no_group(gid)
-        for rank in ranks:
-            if rank >= engine.tp_size:
-                raise outside_group(gid, rank, engine.tp_size, field)
-        if engine_id != engine.engine_id:
-            state = GroupState.read(snap, gid, self.decoded, brief=True)
-            assert state is not None
-            raise await self._mismatch(state, ranks[0], engine_id)
-        # Agents of an older engine never outlive its supersession (GroupState is as strict).
-        live = {b.rank: b.lease for b in briefs if b.engine_id == engine_id}
-        absent = [r for r in ranks if r not in live]
-        if absent:
-            raise self._absent(gid, absent[0])
-        return {r: live[r] for r in ranks}
 
     async def _group_or_none(self, gid: str, *, settled: bool = True) -> GroupState | None:
         snap = await self.store.range(_group_prefix(gid), settled=settled)

@@ -107,16 +107,7 @@ class BatchesMixin(AgentsMixin):
     ) -> list[tuple[int, str]]:
         """A batch heartbeat: each rank with its lease's new expiry (the fast path writes it as
         ``Heartbeats`` does, without a model a rank: ``app.api.fastpath.heartbeats_json``)."""
-        leases = self._leases_now(gid, ranks, engine_id)
-        if leases is None:
-            leases = await self._leases(gid, ranks, engine_id)
-        expiry: dict[int, str] = {}
-        for lease_id in set(leases.values()):
-            lease = await self.store.refresh_lease(lease_id)
-            holders = [r for r in ranks if leases[r] == lease_id]
-            if lease is None:
-                raise self._absent(gid, holders[0])
-            at = utc_iso(time.time() + lease.remaining_s)
-            for r in holders:
-                expiry[r] = at
-        return [(r, expiry[r]) for r in ranks]
+        renewed = await self._renewals(gid, ranks, engine_id)
+        now = time.time()
+        expiry = {lease.id: utc_iso(now + lease.remaining_s) for lease in renewed.values()}
+        return [(r, expiry[renewed[r].id]) for r in ranks]

@@ -91,6 +91,9 @@ class Lease:
     ttl_s: int
     # Seconds until expiry as the store sees it (not a wall-clock instant: clocks differ).
     remaining_s: float
+    # A renewal's: the store revision at which it was applied, where the store says (etcd);
+    # the state at any revision from it on is no older than the renewal.
+    revision: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,8 @@ class Store(ABC):
 
     #: A short description for logs and /readyz, never including credentials.
     description: str = ""
+    #: Whether :meth:`refresh_lease` answers with the revision the renewal was applied at.
+    renewal_revisions: bool = False
 
     @abstractmethod
     async def get(self, key: str, *, settled: bool = True) -> Entry | None:

@@ -6,7 +6,9 @@
 - leases are etcd leases, expiring on the cluster's clock; what one has left is known when
   this store granted or renewed it, else asked once per ``lease_cache_s`` (default: a third
   of its TTL) however many readers want it. A lease only gains time (renewed through another
-  replica): the figure is a lower bound, asked again when it runs out;
+  replica): the figure is a lower bound, asked again when it runs out. Renewals go through a
+  few long-lived keep-alive streams a member (``etcd_keepalive``), each answer with the
+  revision it was applied at;
 - ``range`` is one linearizable Range (never stale), a prefix in pages (``etcd_range``);
 - ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
@@ -43,10 +46,13 @@ from app.store.base import (
 )
 from app.store.etcd_cluster import Cluster
 from app.store.etcd_config import EtcdAccess, EtcdUrl, parse_url
+from app.store.etcd_keepalive import KeepAlives, Renewed
 from app.store.etcd_state import LeaseBook, WatchHub
 
 
 class EtcdStore(Store):
+    renewal_revisions = True
+
     def __init__(
         self,
         endpoints: Sequence[tuple[str, int]],
@@ -79,6 +85,7 @@ class EtcdStore(Store):
         self._leases = LeaseBook(lease_cache_s)
         self._asking: dict[int, asyncio.Task[float]] = {}
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
+        self._keepalives: weakref.WeakKeyDictionary[Any, KeepAlives] = weakref.WeakKeyDictionary()
         self._hubs: dict[str, WatchHub] = {}
         self._waiters = 0
         self._prober: asyncio.Task[None] | None = None
@@ -226,29 +233,18 @@ class EtcdStore(Store):
         return lease
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
-        request = rpc.LeaseKeepAliveRequest(ID=lease_id)
+        async def fn(client: aetcd.Client, seconds: float) -> Renewed:
+            streams = self._keepalives.get(client)
+            if streams is None:
+                streams = self._keepalives[client] = KeepAlives(client)
+            return await streams.renew(lease_id, seconds)
 
-        async def fn(client: aetcd.Client, seconds: float) -> Lease | None:
-            # A stream per renewal: renewals through one shared stream queue behind each
-            # other's writes, a turn of this process's loop each (heartbeats timed out).
-            call = client.leasestub.LeaseKeepAlive(timeout=seconds)
-            try:
-                await call.write(request)
-                await call.done_writing()
-                reply = await call.read()
-            except rpc.AioRpcError:
-                raise
-            except Exception as exc:  # the RPC ended under a write (its deadline, say)
-                raise ConnectionError(f"the lease keep-alive call ended: {exc!r}") from exc
-            finally:
-                call.cancel()
-            if not hasattr(reply, "TTL") or reply.TTL <= 0:
-                return None  # etcd answers TTL 0 for a lease it no longer has
-            return Lease(lease_id, int(reply.TTL), float(reply.TTL))
-
-        lease = await self._call("lease refresh", fn)
-        self._leases.granted(lease_id, lease.remaining_s if lease else None)
-        return lease
+        renewed = await self._call("lease refresh", fn)
+        if renewed.ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
+            self._leases.granted(lease_id, None)
+            return None
+        self._leases.granted(lease_id, float(renewed.ttl))
+        return Lease(lease_id, renewed.ttl, float(renewed.ttl), renewed.revision)
 
     async def revoke_lease(self, lease_id: int) -> None:
         request = rpc.LeaseRevokeRequest(ID=lease_id)
@@ -397,4 +393,6 @@ class EtcdStore(Store):
             if task is not None:
                 task.cancel()
         self._hubs.clear()
+        for streams in list(self._keepalives.values()):
+            streams.close()
         await self._cluster.close()

@@ -194,6 +194,24 @@ class Feed:
                 f"{self.failure or 'the store did not answer'}."
             ) from None
 
+    async def reached(self, revision: int, timeout_s: float) -> bool:
+        """Whether the feed has applied every change up to ``revision``, waiting at most
+        ``timeout_s`` for it (asking etcd for its progress once); a failing feed answers
+        False at once."""
+        if self.progress >= revision:
+            return True
+        if self.failure is not None or self.loaded is None or not self.loaded.done():
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self._nudge.set()
+        while self.progress < revision:
+            left = deadline - loop.time()
+            if left <= 0 or self.closing:
+                return False
+            await asyncio.wait({self.news()}, timeout=left)
+        return True
+
     async def caught_up(self, timeout_s: float) -> int:
         """Wait until the feed has applied every change up to the store's revision now (a
         list sees every write answered before it); returns the feed's revision."""

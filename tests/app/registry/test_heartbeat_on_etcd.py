@@ -1,0 +1,160 @@
+"""A node's heartbeat on etcd: the leases the replica's watch feed shows are renewed, and the
+answer comes from the feed once it has reached the renewals' revision, not from a range read
+of the group (``app.registry.renewals``). Real etcd, real registry process, real HTTP; the
+calls etcd served are counted from etcd's own metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.errors import NotFound
+from app.registry import Registry
+from app.schemas import OpenEngineRequest, RegisterAgentsRequest
+from app.watch.feed import Feed
+from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from tests.support.faults import agent_body, open_body
+from tests.support.server import RegistryProcess
+
+pytestmark = pytest.mark.store
+
+if not etcd_available():
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from app.store.etcd import EtcdStore  # noqa: E402
+
+TP = 8
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    with EtcdCluster(Path(tmp_path_factory.mktemp("etcd-heartbeat")), size=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def registry(
+    etcd: EtcdCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RegistryProcess]:
+    log = tmp_path_factory.mktemp("registry") / "registry.log"
+    with RegistryProcess(etcd.url("heartbeats"), log_path=log) as proc:
+        yield proc
+
+
+@pytest.fixture
+def http(registry: RegistryProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=registry.url, timeout=10) as client:
+        yield client
+
+
+def served(cluster: EtcdCluster, method: str) -> float:
+    """How many calls of ``method`` etcd has started (streams count once)."""
+    text = httpx.get(f"{cluster.members[0].client_url}/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("grpc_server_started_total") and f'grpc_method="{method}"' in line
+    )
+
+
+def node(http: httpx.Client, gid: str, ranks: range = range(TP)) -> str:
+    """Open ``gid`` and register ``ranks`` in one batch (one lease); its engine_id."""
+    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP))
+    assert opened.status_code in (200, 201), opened.text
+    eid = str(opened.json()["engine_id"])
+    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in ranks]}
+    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
+    return eid
+
+
+def beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx.Response:
+    body = {"engine_id": eid, "ranks": ranks}
+    return http.post(f"/tp-groups/{gid}/engine/agents/heartbeat", json=body)
+
+
+def test_node_heartbeats_renew_on_a_few_streams_without_a_range_read(
+    etcd: EtcdCluster, http: httpx.Client
+) -> None:
+    groups = {f"hb-{i}": node(http, f"hb-{i}") for i in range(10)}
+    ranges, streams = served(etcd, "Range"), served(etcd, "LeaseKeepAlive")
+    for _ in range(5):
+        for gid, eid in groups.items():
+            answer = beat(http, gid, eid, list(range(TP)))
+            assert answer.status_code == 200, answer.text
+            assert [a["rank"] for a in answer.json()["agents"]] == list(range(TP))
+        one = {"engine_id": groups["hb-0"]}
+        single = http.post("/tp-groups/hb-0/engine/agents/3/heartbeat", json=one)
+        assert single.status_code == 200, single.text
+    ranges = served(etcd, "Range") - ranges
+    streams = served(etcd, "LeaseKeepAlive") - streams
+    # 55 heartbeats; the range read per heartbeat (the path for stores without a feed's
+    # revision) would be 55 Range calls.
+    assert ranges <= 3, f"55 heartbeats made {ranges:g} range reads"
+    assert streams <= 4, f"55 heartbeats opened {streams:g} keep-alive streams"
+
+
+def test_a_heartbeat_right_after_a_deregistration_names_the_rank(http: httpx.Client) -> None:
+    """Rank 0 deregistered, the lease lives on (rank 1 holds it): the feed may not have the
+    deletion yet when the heartbeat renews the lease, and the answer must still be 404."""
+    for i in range(30):
+        gid = f"dereg-{i}"
+        eid = node(http, gid, range(2))
+        gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
+        assert gone.status_code == 204, gone.text
+        answer = beat(http, gid, eid, [0, 1])
+        assert answer.status_code == 404, (i, answer.text)
+        assert "rank 0" in answer.json()["detail"], answer.text
+        assert beat(http, gid, eid, [1]).status_code == 200
+
+
+def test_a_heartbeat_right_after_a_relaunch_is_refused(http: httpx.Client) -> None:
+    for i in range(20):
+        gid = f"relaunch-{i}"
+        old = node(http, gid)
+        new = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP)).json()
+        assert new["engine_id"] != old
+        answer = beat(http, gid, old, list(range(TP)))
+        assert answer.status_code == 409, (i, answer.text)
+        assert answer.json()["type"].endswith("engine_id_mismatch"), answer.text
+
+
+def test_a_feed_left_behind_sends_the_heartbeat_to_the_range_read(etcd: EtcdCluster) -> None:
+    """The feed stops following (closed) after a registration: it shows the rank live for
+    ever. A heartbeat after the rank's deregistration renews the lease (rank 1 holds it),
+    finds the feed behind the renewal's revision and takes the range read: 404."""
+
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(f"behind-{uuid.uuid4().hex}"), timeout_s=5.0)
+        await store.start()
+        registry = Registry(store)
+        feed = Feed(store, registry.decoded)
+        feed.start()
+        registry.seen = feed
+        try:
+            await feed.ready(5.0)
+            opened, _ = await registry.open_engine(
+                "g", OpenEngineRequest.model_validate(open_body(tp_size=2))
+            )
+            eid = opened.engine_id
+            items = [{**agent_body(eid, r), "rank": r} for r in range(2)]
+            await registry.register_agents(
+                "g", RegisterAgentsRequest.model_validate({"agents": items}), None
+            )
+            assert await feed.reached(await store.revision(), 5.0)
+            assert (await registry.renew_agents("g", eid, [0, 1]))[0][0] == 0
+            await feed.close()  # what it shows now it shows for ever
+            await registry.deregister("g", 0, eid)
+            assert feed.groups["g"].get("groups/g/agents/00000") is not None
+            with pytest.raises(NotFound, match="rank 0"):
+                await registry.renew_agents("g", eid, [0, 1])
+            assert [r for r, _ in await registry.renew_agents("g", eid, [1])] == [1]
+        finally:
+            await feed.close()
+            await store.close()
+
+    asyncio.run(body())
