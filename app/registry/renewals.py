@@ -34,9 +34,10 @@ from app.registry.records import (
 from app.registry.state import GroupState
 from app.store import Entry, Lease
 
-# How long a heartbeat waits for the watch feed to reach its renewals' revision (changes reach
-# it within milliseconds; a feed further behind is not worth waiting for).
-SEEN_WAIT_S = 0.25
+# How long a heartbeat waits for the watch feed to reach its renewals' revision. The leases are
+# renewed before the wait, so a feed that lags delays the answer, never the renewal; the range
+# read instead costs etcd a linearizable read when a launch's load can least afford it.
+SEEN_WAIT_S = 1.0
 
 
 class SeenGroups(Protocol):

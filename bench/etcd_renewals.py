@@ -1,0 +1,161 @@
+"""``python -m bench.etcd_renewals [--members 1] [--renewals 3000]`` (not in ``make bench``): what
+one etcd lease renewal costs the registry's process, and etcd, three ways in one run on a
+fresh cluster, each at 1, 16 and 64 renewals in flight:
+
+- ``stream_each``: a ``LeaseKeepAlive`` stream opened for each renewal (write, half-close,
+  read, cancel), what the etcd store did before ``app/store/etcd_keepalive.py`` (the
+  baseline);
+- ``pool``: ``EtcdStore.refresh_lease`` as it is (a stream a renewal at a time from the
+  member's pool of idle streams, through the store's failover and deadline);
+- ``gateway``: etcd's JSON gateway (``POST /v3/lease/keepalive``) on kept-alive HTTP/1.1
+  connections, a minimal asyncio client: for reference (the store does not use it).
+
+Per row: this process's CPU a renewal (user + system, the gRPC poller thread included),
+etcd's CPU a renewal (every member, from ``/proc``), renewals a second, and the ratio of this
+process's CPU to the baseline's at the same concurrency. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aetcd import rpc
+
+from app.store.etcd import EtcdStore
+from bench.common import say
+from tests.support.etcd import EtcdCluster
+
+LEASES = 500
+
+
+def _etcd_cpu_s(cluster: EtcdCluster) -> float:
+    total = 0.0
+    for member in cluster.members:
+        assert member.proc is not None
+        fields = Path(f"/proc/{member.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+async def _stream_each(store: EtcdStore, lease_id: int) -> None:
+    """The baseline: a stream for one renewal, as the store did before its pool."""
+    client = store._cluster.members[0].client
+    assert client is not None
+    call = client.leasestub.LeaseKeepAlive(timeout=10.0)
+    try:
+        await call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+        await call.done_writing()
+        reply = await call.read()
+        assert int(reply.TTL) > 0
+    finally:
+        call.cancel()
+
+
+class _Gateway:
+    """Kept-alive HTTP/1.1 connections to etcd's JSON gateway, one renewal each at a time."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def renew(self, lease_id: int) -> None:
+        if self.idle:
+            reader, writer = self.idle.pop()
+        else:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        body = json.dumps({"ID": lease_id}).encode()
+        writer.write(
+            b"POST /v3/lease/keepalive HTTP/1.1\r\nHost: etcd\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        answer = b""
+        while True:  # the gateway streams its answer chunked
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            answer += (await reader.readexactly(size + 2))[:-2]
+        assert int(json.loads(answer)["result"]["TTL"]) > 0, answer
+        self.idle.append((reader, writer))
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
+async def _measure(
+    cluster: EtcdCluster, renew: Callable[[int], Awaitable[None]], leases: list[int],
+    in_flight: int, n: int,
+) -> dict[str, float]:  # fmt: skip
+    slots = asyncio.Semaphore(in_flight)
+
+    async def one(i: int) -> None:
+        async with slots:
+            await renew(leases[i % len(leases)])
+
+    await asyncio.gather(*(one(i) for i in range(min(n, 200))))  # warm: streams, connections
+    etcd0, cpu0, t0 = _etcd_cpu_s(cluster), time.process_time(), time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.perf_counter() - t0
+    return {
+        "in_flight": in_flight,
+        "cpu_us": round(1e6 * (time.process_time() - cpu0) / n),
+        "etcd_cpu_us": round(1e6 * (_etcd_cpu_s(cluster) - etcd0) / n),
+        "per_s": round(n / elapsed),
+    }
+
+
+async def _run(cluster: EtcdCluster, n: int) -> dict[str, Any]:
+    store = EtcdStore.from_url(cluster.url("renewals"), timeout_s=10.0)
+    await store.start()
+    host, port = cluster.endpoints[0].split(":")
+    gateway = _Gateway(host, int(port))
+    try:
+        leases = [(await store.grant_lease(300)).id for _ in range(LEASES)]
+
+        async def pool(lease_id: int) -> None:
+            assert await store.refresh_lease(lease_id) is not None
+
+        ways: dict[str, Callable[[int], Awaitable[None]]] = {
+            "stream_each": lambda lease_id: _stream_each(store, lease_id),
+            "pool": pool,
+            "gateway": gateway.renew,
+        }
+        rows: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
+        for in_flight in (1, 16, 64):
+            for way, renew in ways.items():  # interleaved: the machine's drift hits all alike
+                say(f"etcd renewals: {way}, {in_flight} in flight")
+                rows[way].append(await _measure(cluster, renew, leases, in_flight, n))
+        for way in ("pool", "gateway"):
+            for row, base in zip(rows[way], rows["stream_each"], strict=True):
+                row["cpu_vs_stream_each"] = round(row["cpu_us"] / base["cpu_us"], 2)
+        return {"members": len(cluster.members), "renewals": n, "rows": rows}
+    finally:
+        gateway.close()
+        await store.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--members", type=int, default=1)
+    parser.add_argument("--renewals", type=int, default=3000)
+    args = parser.parse_args()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-renewals-") as root,
+        EtcdCluster(Path(root), size=args.members) as cluster,
+    ):
+        print(json.dumps(asyncio.run(_run(cluster, args.renewals)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
