@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             progress_s=min(1.0, settings.watch_bookmark_s),
         )
         feed.start()
-        registry.seen = feed  # a heartbeat on etcd answers from it (app.registry.renewals)
+        registry.seen = feed  # heartbeats on etcd, the status page and /metrics read from it
         app.state.watchers = Watchers(
             feed,
             metrics,

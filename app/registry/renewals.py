@@ -18,9 +18,6 @@ range read, which answers or refuses as before):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
-
 from app.errors import FieldPath
 from app.registry.base import RegistryBase, _no_group, outside_group
 from app.registry.records import (
@@ -40,23 +37,7 @@ from app.store import Entry, Lease
 SEEN_WAIT_S = 1.0
 
 
-class SeenGroups(Protocol):
-    """What the replica's watch feed shows: every group's entries as of ``progress``."""
-
-    @property
-    def progress(self) -> int: ...
-
-    @property
-    def groups(self) -> Mapping[str, Mapping[str, Entry]]: ...
-
-    async def reached(self, revision: int, timeout_s: float) -> bool:
-        """True once ``progress >= revision`` (False: not within ``timeout_s``)."""
-        ...
-
-
 class RenewalsMixin(RegistryBase):
-    seen: SeenGroups | None = None  # the app sets its watch feed here
-
     async def _renewals(
         self, gid: str, ranks: list[int], engine_id: str, field: FieldPath = ("ranks",)
     ) -> dict[int, Lease]:

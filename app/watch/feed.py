@@ -182,6 +182,18 @@ class Feed:
             self._news = asyncio.get_running_loop().create_future()
         return self._news
 
+    @property
+    def following(self) -> bool:
+        """Loaded, following the store, not failed: its groups are the store's, lagging."""
+        return (
+            self.loaded is not None
+            and self.loaded.done()
+            and not self.loaded.cancelled()
+            and self.loaded.exception() is None
+            and self.failure is None
+            and not self.closing
+        )
+
     async def ready(self, timeout_s: float) -> None:
         """Wait for the feed's first read of the groups (a replica just started)."""
         if self.loaded is None:
