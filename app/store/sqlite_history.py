@@ -116,18 +116,25 @@ class History:
     ) -> AsyncIterator[ChangeBatch]:
         """``Store.changes`` over this history."""
         loop = asyncio.get_running_loop()
-        after = start_revision - 1  # everything up to here was delivered
+        after = start_revision - 1  # every kept batch up to here was looked at
+        told = after  # the watcher knows of every change up to here
         quiet_since = loop.time()
         while not closed():
             for batch in self.since(after + 1):
                 after = batch.revision
                 under = tuple(c for c in batch.changes if c.key.startswith(prefix))
                 if under:
+                    told = after
                     quiet_since = loop.time()
                     yield ChangeBatch(batch.revision, under)
-            if self.durable > after or loop.time() - quiet_since >= progress_s:
-                # Progress: at once past changes elsewhere, else once per progress_s.
-                after = max(after, self.durable)
+            if self._revisions and self._revisions[-1] > after:
+                continue  # kept while a batch was out with the watcher: look at it first
+            # Progress: at once past changes elsewhere (a reader waiting for the feed to reach
+            # the store's revision waits for that, not for the next interval), else once per
+            # progress_s. No batch past ``after`` is kept, so none is skipped.
+            after = max(after, self.durable)
+            if after > told or loop.time() - quiet_since >= progress_s:
+                told = after
                 quiet_since = loop.time()
                 yield ChangeBatch(after, ())
             await self.wait(max(0.0, quiet_since + progress_s - loop.time()))

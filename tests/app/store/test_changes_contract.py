@@ -82,6 +82,34 @@ def test_changes_report_progress_while_quiet_and_deliver_what_comes_later(
     run(store_factory, tmp_path, body)
 
 
+def test_a_change_elsewhere_is_reported_as_progress_without_waiting_for_the_interval(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
+    """A reader that waits for the stream to reach the store's revision (a list page, the
+    status page) after a write outside the prefix (an event, say) is told at once, not at the
+    next interval: SQLite's stream looked at the change and waited out progress_s (up to 1 s
+    on a list page), whatever the nudge."""
+
+    async def body(store: Store) -> None:
+        start = await store.txn([], [Put("p/x", b"0")])
+        nudge = asyncio.Event()
+        stream = store.changes("p/", start.revision + 1, 60.0, nudge)
+        try:
+            waiting = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.2)
+            other = await store.txn([], [Put("elsewhere", b"1")])
+            nudge.set()  # what the watch feed does when a reader waits on it
+            async with asyncio.timeout(DEADLINE_S):
+                told = await waiting
+                while told.revision < other.revision:
+                    told = await anext(stream)
+            assert told.changes == ()
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    run(store_factory, tmp_path, body)
+
+
 def test_an_expired_lease_is_a_delete_in_the_changes(
     store_factory: StoreFactory, tmp_path: Path
 ) -> None:
