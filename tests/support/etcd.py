@@ -176,6 +176,16 @@ class EtcdCluster:
         scheme = scheme or ("etcds" if self.tls else "etcd")
         return f"{scheme}://{','.join(self.endpoints)}/{prefix}"
 
+    def metric(self, name: str, method: str | None = None) -> float:
+        """The sum of one of etcd's own metrics on the first member (of one gRPC method's
+        series, if given)."""
+        text = httpx.get(f"{self.members[0].client_url}/metrics", timeout=5).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name) and (method is None or f'grpc_method="{method}"' in line)
+        )
+
     def etcdctl(self, *args: str, user: str | None = None) -> str:
         """Run ``etcdctl`` against the live members (with the test certificates under TLS,
         as ``user`` ("name:password") once auth is on); returns its output."""

@@ -54,12 +54,7 @@ def http(registry: RegistryProcess) -> Iterator[httpx.Client]:
 
 def served(cluster: EtcdCluster, method: str) -> float:
     """How many calls of ``method`` etcd has started (streams count once)."""
-    text = httpx.get(f"{cluster.members[0].client_url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("grpc_server_started_total") and f'grpc_method="{method}"' in line
-    )
+    return cluster.metric("grpc_server_started_total", method)
 
 
 def node(http: httpx.Client, gid: str, ranks: range = range(TP)) -> str:

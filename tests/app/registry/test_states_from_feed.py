@@ -45,12 +45,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
 
 def sent_bytes(cluster: EtcdCluster) -> float:
     """Bytes etcd has sent its gRPC clients."""
-    text = httpx.get(f"{cluster.members[0].client_url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("etcd_network_client_grpc_sent_bytes_total")
-    )
+    return cluster.metric("etcd_network_client_grpc_sent_bytes_total")
 
 
 def _agents(eid: str, ranks: range) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.store import Put
@@ -36,12 +35,7 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
 
 
 def streams_started(cluster: EtcdCluster) -> float:
-    text = httpx.get(f"{cluster.members[0].client_url}/metrics", timeout=5).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("grpc_server_started_total") and 'grpc_method="LeaseKeepAlive"' in line
-    )
+    return cluster.metric("grpc_server_started_total", "LeaseKeepAlive")
 
 
 @pytest.mark.timeout(60)

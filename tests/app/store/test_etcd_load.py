@@ -22,7 +22,6 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from app.store import Put
@@ -46,18 +45,8 @@ def endpoint(cluster: EtcdCluster) -> tuple[str, int]:
     return host, int(port)
 
 
-def metric(cluster: EtcdCluster, name: str, method: str | None = None) -> float:
-    """Sum of one etcd metric (of one gRPC method's series, if given)."""
-    text = httpx.get(f"{cluster.members[0].client_url}/metrics", timeout=5).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (method is None or f'grpc_method="{method}"' in line):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def started(cluster: EtcdCluster, method: str) -> float:
-    return metric(cluster, "grpc_server_started_total", method)
+    return cluster.metric("grpc_server_started_total", method)
 
 
 def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -81,7 +70,7 @@ def test_a_thousand_waiters_cost_one_watch_no_polling_and_all_wake(etcd: EtcdClu
             ranges = await asyncio.to_thread(started, etcd, "Range")
             await asyncio.sleep(2.0)
             idle_ranges = await asyncio.to_thread(started, etcd, "Range") - ranges
-            watchers = await asyncio.to_thread(metric, etcd, "etcd_debugging_mvcc_watcher_total")
+            watchers = await asyncio.to_thread(etcd.metric, "etcd_debugging_mvcc_watcher_total")
             assert not any(w.done() for w in waiters), "a waiter returned before any change"
             t0 = time.monotonic()
             await asyncio.gather(
