@@ -14,11 +14,10 @@ import httpx
 import pytest
 
 from app.errors import NotFound
-from app.registry import Registry
 from app.schemas import OpenEngineRequest, RegisterAgentsRequest
-from app.watch.feed import Feed
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import agent_body, open_body
+from tests.support.feeds import registry_with_feed
 from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.store
@@ -125,13 +124,7 @@ def test_a_feed_left_behind_sends_the_heartbeat_to_the_range_read(etcd: EtcdClus
 
     async def body() -> None:
         store = EtcdStore.from_url(etcd.url(f"behind-{uuid.uuid4().hex}"), timeout_s=5.0)
-        await store.start()
-        registry = Registry(store)
-        feed = Feed(store, registry.decoded)
-        feed.start()
-        registry.seen = feed
-        try:
-            await feed.ready(5.0)
+        async with registry_with_feed(store) as (registry, feed):
             opened, _ = await registry.open_engine(
                 "g", OpenEngineRequest.model_validate(open_body(tp_size=2))
             )
@@ -148,8 +141,5 @@ def test_a_feed_left_behind_sends_the_heartbeat_to_the_range_read(etcd: EtcdClus
             with pytest.raises(NotFound, match="rank 0"):
                 await registry.renew_agents("g", eid, [0, 1])
             assert [r for r, _ in await registry.renew_agents("g", eid, [1])] == [1]
-        finally:
-            await feed.close()
-            await store.close()
 
     asyncio.run(body())

@@ -10,8 +10,7 @@ import asyncio
 import base64
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ import pytest
 from app.registry import Registry
 from app.registry.state import GroupState
 from app.schemas import OpenEngineRequest, RegisterAgentsRequest
-from app.store import Store, create_store
-from app.watch.feed import Feed
+from app.store import create_store
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import agent_body, open_body
+from tests.support.feeds import registry_with_feed
 from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.store
@@ -81,21 +80,6 @@ def test_status_and_metrics_do_not_read_every_blob_from_etcd(
         assert sent < blobs / 16, f"a status page and a scrape took {sent:g} bytes from etcd"
 
 
-@asynccontextmanager
-async def _registry(store: Store) -> AsyncIterator[tuple[Registry, Feed]]:
-    await store.start()
-    registry = Registry(store)
-    feed = Feed(store, registry.decoded)
-    feed.start()
-    registry.seen = feed
-    try:
-        await feed.ready(5.0)
-        yield registry, feed
-    finally:
-        await feed.close()
-        await store.close()
-
-
 async def _node(registry: Registry, gid: str, ranks: range) -> str:
     opened, _ = await registry.open_engine(
         gid, OpenEngineRequest.model_validate(open_body(tp_size=TP))
@@ -126,7 +110,7 @@ def test_the_feed_shows_what_a_range_read_shows(
             else etcd.url(f"feed-{uuid.uuid4().hex}")
         )
         store = create_store(url, timeout_s=5.0)
-        async with _registry(store) as (registry, feed):
+        async with registry_with_feed(store) as (registry, feed):
             await _node(registry, "ready", range(TP))
             await _node(registry, "partial", range(3))
             gone = await _node(registry, "dereg", range(TP))
