@@ -48,13 +48,21 @@ class RenewalsMixin(RegistryBase):
             if seen is not None:
                 return seen
             leases = await self._leases(gid, ranks, engine_id, field)
+        renewed, gone = await self._renew(leases)
+        if gone is not None:
+            raise self._absent(gid, next(r for r in ranks if leases[r] == gone))
+        return {r: renewed[leases[r]] for r in ranks}
+
+    async def _renew(self, leases: dict[int, int]) -> tuple[dict[int, Lease], int | None]:
+        """Each lease of ``leases`` (rank -> lease) renewed once, in order; stops at the first
+        the store no longer has, and says which (None: every one renewed)."""
         renewed: dict[int, Lease] = {}
         for lease_id in dict.fromkeys(leases.values()):
             lease = await self.store.refresh_lease(lease_id)
             if lease is None:
-                raise self._absent(gid, next(r for r in ranks if leases[r] == lease_id))
+                return renewed, lease_id
             renewed[lease_id] = lease
-        return {r: renewed[leases[r]] for r in ranks}
+        return renewed, None
 
     def _leases_in(
         self, entries: list[Entry | None], ranks: list[int], engine_id: str
@@ -97,12 +105,9 @@ class RenewalsMixin(RegistryBase):
         leases = self._leases_seen(gid, ranks, engine_id)
         if leases is None:
             return None
-        renewed: dict[int, Lease] = {}
-        for lease_id in dict.fromkeys(leases.values()):
-            lease = await self.store.refresh_lease(lease_id)
-            if lease is None or lease.revision is None:
-                return None  # gone: the range read says why
-            renewed[lease_id] = lease
+        renewed, gone = await self._renew(leases)
+        if gone is not None or any(lease.revision is None for lease in renewed.values()):
+            return None  # gone: the range read says why
         after = max(lease.revision or 0 for lease in renewed.values())
         if not await self.seen.reached(after, SEEN_WAIT_S):
             return None

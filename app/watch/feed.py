@@ -185,14 +185,8 @@ class Feed:
     @property
     def following(self) -> bool:
         """Loaded, following the store, not failed: its groups are the store's, lagging."""
-        return (
-            self.loaded is not None
-            and self.loaded.done()
-            and not self.loaded.cancelled()
-            and self.loaded.exception() is None
-            and self.failure is None
-            and not self.closing
-        )
+        loaded = self.loaded is not None and self.loaded.done()
+        return loaded and self.failure is None and not self.closing
 
     async def ready(self, timeout_s: float) -> None:
         """Wait for the feed's first read of the groups (a replica just started)."""
@@ -212,7 +206,7 @@ class Feed:
         False at once."""
         if self.progress >= revision:
             return True
-        if self.failure is not None or self.loaded is None or not self.loaded.done():
+        if not self.following:
             return False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

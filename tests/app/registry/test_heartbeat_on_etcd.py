@@ -142,4 +142,4 @@ def test_a_feed_left_behind_sends_the_heartbeat_to_the_range_read(etcd: EtcdClus
                 await registry.renew_agents("g", eid, [0, 1])
             assert [r for r, _ in await registry.renew_agents("g", eid, [1])] == [1]
 
-    asyncio.run(body())
+    asyncio.run(asyncio.wait_for(body(), 60))
