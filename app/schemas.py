@@ -10,6 +10,7 @@ import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
+import pybase64
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -105,6 +106,20 @@ class Base64Text(str):
     data: bytes
 
 
+def strict_base64(text: str) -> bytes:
+    """``binascii.a2b_base64(text, strict_mode=True)``, at a fifteenth of its cost.
+
+    pybase64 (SIMD) decodes a 5 KiB blob in about 1 µs against CPython's 15; it refuses a
+    little more than ``binascii``'s strict mode does (``"QUJD="``: padding past a full
+    quad), so what it refuses is decided by ``binascii``, and the text accepted and the bytes
+    are exactly ``binascii``'s (``tests/app/test_strict_base64.py`` checks both on a corpus of
+    near-misses)."""
+    try:
+        return pybase64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error too; non-ASCII text
+        return binascii.a2b_base64(text, strict_mode=True)
+
+
 def blob_of(text: str) -> bytes:
     """The bytes of a validated ``agent_metadata``."""
     return text.data if isinstance(text, Base64Text) else binascii.a2b_base64(text)
@@ -123,7 +138,7 @@ class RegisterAgentRequest(_Request):
     def _base64(cls, value: str) -> str:
         text = Base64Text(value)
         try:
-            text.data = binascii.a2b_base64(value, strict_mode=True)
+            text.data = strict_base64(value)
         except binascii.Error as exc:
             raise ValueError(f"agent_metadata is not valid base64 ({exc})") from None
         return text
