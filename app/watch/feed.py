@@ -25,6 +25,7 @@ from app.registry.state import GroupState
 from app.schemas import Engine
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
 from app.watch.history import EventLog, Group, GroupEvent
+from app.watch.rendered import Rendered
 
 log = logging.getLogger("app.watch")
 
@@ -78,6 +79,7 @@ class Feed:
         self._nudge = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.closing = False
+        self.rendered = Rendered()  # list pages' views of the groups, as JSON
 
     # -- following the store -----------------------------------------------------------------
 

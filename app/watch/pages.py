@@ -76,6 +76,12 @@ async def snapshot(
     return revision, after, groups
 
 
+def live(group: Group, remaining: Mapping[int, float]) -> Group:
+    """The group without the entries whose lease ended (expired, its keys not yet deleted)."""
+    ended = [k for k, e in group.items() if e.lease is not None and remaining.get(e.lease, 1) <= 0]
+    return {k: e for k, e in group.items() if k not in ended} if ended else group
+
+
 async def views(
     store: Store, decoded: Decoded, groups: Mapping[str, Group], page: list[str], revision: int
 ) -> list[Engine]:
@@ -85,10 +91,7 @@ async def views(
     now = time.time()
     out: list[Engine] = []
     for gid in page:
-        live = {
-            k: e for k, e in groups[gid].items() if e.lease is None or remaining.get(e.lease, 1) > 0
-        }
-        engine = view(gid, live, revision, decoded, remaining, now)
+        engine = view(gid, live(groups[gid], remaining), revision, decoded, remaining, now)
         if engine is not None:
             out.append(engine)
     return out
@@ -118,10 +121,15 @@ async def read_page(
             more = True
             break
         page.append(gid)
-    parts = [
-        e.__pydantic_serializer__.to_json(e)
-        for e in await views(store, decoded, groups, page, revision)
-    ]
+    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
+    remaining = await store.lease_remaining(leases) if leases else {}
+    now = time.time()
+    parts = []
+    for gid in page:
+        text = feed.rendered.json(gid, live(groups[gid], remaining), decoded, remaining, now)
+        if text is not None:
+            parts.append(text)
+    feed.rendered.trim(groups)
     follow = json.dumps(encode_token(revision, page[-1], role)) if more else "null"
     return b'{"groups":[%s],"revision":%d,"continue":%s}' % (
         b",".join(parts),
