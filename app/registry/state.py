@@ -83,7 +83,9 @@ class GroupState:
         12,500 groups several times each)."""
         return [r for r in range(self.engine.tp_size) if r not in self.agents]
 
-    def view(self) -> Engine:
+    def view(self, *, bare: bool = False) -> Engine:
+        """The engine as the API shows it; ``bare``: without its agents and serving record
+        (``app/watch/rendered.py`` writes those in)."""
         e = self.engine
         return Engine.model_construct(
             group_id=e.group_id,
@@ -97,7 +99,9 @@ class GroupState:
             ready=not self.missing,
             registered_ranks=sorted(r for r in self.agents if r < e.tp_size),
             missing_ranks=self.missing,
-            agents=[
+            agents=[]
+            if bare
+            else [
                 AgentSummary.model_construct(
                     rank=r,
                     agent_name=a.agent_name,
@@ -106,7 +110,7 @@ class GroupState:
                 )
                 for r, a in sorted(self.agents.items())
             ],
-            serving=self.serving_view(),
+            serving=None if bare else self.serving_view(),
         )
 
     def serving_view(self) -> Serving | None:

@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pydantic_core import to_json
+
 from app.registry.records import Decoded
 from app.registry.state import GroupState
-from app.schemas import AgentSummary, Engine
 from app.store import Snapshot
 from app.timefmt import utc_iso
 from app.watch.history import Group
@@ -50,19 +51,18 @@ def _made(gid: str, group: Group, version: Version, decoded: Decoded) -> _Made |
     state = GroupState.read(Snapshot(entries, 0, {}, 0.0), gid, decoded, brief=True)
     if state is None:
         return None
-    engine: Engine = state.view()
-    bare = engine.model_copy(update={"agents": [], "serving": None})
+    bare = state.view(bare=True)
     whole = bare.__pydantic_serializer__.to_json(bare)
     assert whole.endswith(_AGENTS_TAIL), whole[-40:]
     agents = []
     for rank, agent in sorted(state.agents.items()):
-        summary = AgentSummary.model_construct(
-            rank=rank, agent_name=agent.agent_name, host=agent.host, expires_at=""
-        )
-        text = summary.__pydantic_serializer__.to_json(summary)
+        # AgentSummary's fields in its order, written by the serializer its model uses (a
+        # model built for each would be most of a view's cost)
+        summary = {"rank": rank, "agent_name": agent.agent_name, "host": agent.host}
+        text = to_json(summary | {"expires_at": ""})
         assert text.endswith(_EXPIRY_TAIL), text[-40:]
         agents.append((text[: -len(_EXPIRY_TAIL)], agent.lease, float(agent.ttl_s)))
-    serving = engine.serving
+    serving = state.serving_view()
     return _Made(
         version,
         whole[: -len(_AGENTS_TAIL)],
