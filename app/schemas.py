@@ -112,8 +112,8 @@ def strict_base64(text: str) -> bytes:
     pybase64 (SIMD) decodes a 5 KiB blob in about 1 µs against CPython's 15; it refuses a
     little more than ``binascii``'s strict mode does (``"QUJD="``: padding past a full
     quad), so what it refuses is decided by ``binascii``, and the text accepted and the bytes
-    are exactly ``binascii``'s (``tests/app/test_strict_base64.py`` checks both on a corpus of
-    near-misses)."""
+    are exactly ``binascii``'s (``tests/app/test_one_pass_bodies.py`` checks both on a corpus
+    of near misses)."""
     try:
         return pybase64.b64decode(text, validate=True)
     except ValueError:  # binascii.Error too; non-ASCII text
