@@ -82,13 +82,20 @@ def live(group: Group, remaining: Mapping[int, float]) -> Group:
     return {k: e for k, e in group.items() if k not in ended} if ended else group
 
 
+async def leases_left(
+    store: Store, groups: Mapping[str, Group], page: list[str]
+) -> tuple[dict[int, float], float]:
+    """The time left of the page's groups' leases, and when it was read."""
+    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
+    remaining = await store.lease_remaining(leases) if leases else {}
+    return remaining, time.time()
+
+
 async def views(
     store: Store, decoded: Decoded, groups: Mapping[str, Group], page: list[str], revision: int
 ) -> list[Engine]:
     """The page's groups as the API shows them, with their leases' time left as of now."""
-    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
-    remaining = await store.lease_remaining(leases) if leases else {}
-    now = time.time()
+    remaining, now = await leases_left(store, groups, page)
     out: list[Engine] = []
     for gid in page:
         engine = view(gid, live(groups[gid], remaining), revision, decoded, remaining, now)
@@ -121,9 +128,7 @@ async def read_page(
             more = True
             break
         page.append(gid)
-    leases = {e.lease for g in page for e in groups[g].values() if e.lease is not None}
-    remaining = await store.lease_remaining(leases) if leases else {}
-    now = time.time()
+    remaining, now = await leases_left(store, groups, page)
     parts = []
     for gid in page:
         text = feed.rendered.json(gid, live(groups[gid], remaining), decoded, remaining, now)
