@@ -37,7 +37,7 @@ class Seen:
     engine_id: str
     host: str
     lease: int
-    expires_at: float
+    expires_at: float  # when first seen so; the group's last read has it since (_last)
     gone: bool = False  # remembered for its host after it went (and was counted)
 
 
@@ -50,6 +50,7 @@ class Observer:
         self.metrics = metrics
         self.events = events
         self._agents: dict[str, dict[int, Seen]] = {}
+        self._last: dict[str, GroupState] = {}  # each group as last read
         self._not_ready_since: dict[str, tuple[str, float]] = {}
 
     def last_host(self, gid: str, engine_id: str, rank: int) -> str | None:
@@ -60,33 +61,19 @@ class Observer:
     def observe(self, states: list[GroupState], now: float | None = None) -> None:
         now = time.time() if now is None else now
         agents: dict[str, dict[int, Seen]] = {}
+        last: dict[str, GroupState] = {}
         not_ready: dict[str, tuple[str, float]] = {}
         for state in states:
             engine = state.engine
             gid, eid = engine.group_id, engine.engine_id
             before = self._agents.get(gid, {})
-            seen = {
-                r: Seen(eid, a.host, a.lease, state.expires_at[r]) for r, a in state.agents.items()
-            }
-            for rank, old in before.items():
-                if old.gone:
-                    if rank not in seen and old.engine_id == eid:
-                        seen[rank] = old
-                    continue
-                if old.engine_id != eid or old.expires_at > now + SLACK_S:
-                    # superseded, or gone (deregistered) before its lease ran out
-                    if rank not in seen and old.engine_id == eid:
-                        seen[rank] = replace(old, gone=True)  # its host, while it is missing
-                    continue
-                new = seen.get(rank)
-                if new is None:
-                    self._expired(gid, rank, old, engine.generation)
-                    seen[rank] = replace(old, gone=True)
-                elif new.lease != old.lease and old.expires_at <= _ts(
-                    state.agents[rank].registered_at
-                ):
-                    self._expired(gid, rank, old, engine.generation)
+            was = self._last.get(gid)
+            if was is not None and was.agents is state.agents and was.engine is engine:
+                seen = before  # the same version of the group (kept_states): nothing moved
+            else:
+                seen = self._compare(state, before, was, now)
             agents[gid] = seen
+            last[gid] = state
             if state.missing:
                 held = self._not_ready_since.get(gid)
                 if held is not None and held[0] == eid:
@@ -97,9 +84,37 @@ class Observer:
                 else:
                     not_ready[gid] = (eid, now)  # first seen by this replica
         self._agents = agents
+        self._last = last
         self._not_ready_since = not_ready
         longest = max((now - since for _, since in not_ready.values()), default=0.0)
         self.metrics.longest_not_ready.set(max(0.0, longest))
+
+    def _compare(
+        self, state: GroupState, before: dict[int, Seen], was: GroupState | None, now: float
+    ) -> dict[int, Seen]:
+        """A group that changed: each rank as now seen, expiries counted."""
+        engine = state.engine
+        gid, eid = engine.group_id, engine.engine_id
+        seen = {r: Seen(eid, a.host, a.lease, state.expires_at[r]) for r, a in state.agents.items()}
+        for rank, old in before.items():
+            if old.gone:
+                if rank not in seen and old.engine_id == eid:
+                    seen[rank] = old
+                continue
+            # its expiry as of the last read (a group that did not change keeps its Seen)
+            expiry = old.expires_at if was is None else was.expires_at.get(rank, old.expires_at)
+            if old.engine_id != eid or expiry > now + SLACK_S:
+                # superseded, or gone (deregistered) before its lease ran out
+                if rank not in seen and old.engine_id == eid:
+                    seen[rank] = replace(old, expires_at=expiry, gone=True)  # its host
+                continue
+            new = seen.get(rank)
+            if new is None:
+                self._expired(gid, rank, old, engine.generation)
+                seen[rank] = replace(old, expires_at=expiry, gone=True)
+            elif new.lease != old.lease and expiry <= _ts(state.agents[rank].registered_at):
+                self._expired(gid, rank, old, engine.generation)
+        return seen
 
     def _expired(self, gid: str, rank: int, old: Seen, generation: int) -> None:
         self.metrics.lease_expiries.inc()

@@ -18,6 +18,7 @@ from app.errors import (
 from app.events import EventLog
 from app.metrics import Metrics
 from app.observer import Observer
+from app.registry.kept_states import KeptStates
 from app.registry.records import (
     AgentRecord,
     Decoded,
@@ -31,7 +32,7 @@ from app.registry.state import GroupState
 from app.schemas import (
     Engine,
 )
-from app.store import Entry, Snapshot, Store
+from app.store import Entry, Store
 
 # How long an operator's read of every group (the status page, /metrics) waits for the watch
 # feed to reach the store's revision before it answers 503, as a list page does.
@@ -80,6 +81,7 @@ class RegistryBase:
         self.events = EventLog(store, self.metrics, keep=events_keep)
         self.observer = Observer(self.metrics, self.events)
         self.decoded = Decoded()
+        self.kept = KeptStates()  # every group's state for operators' reads (group_states)
         self.draining = False
         self._drained: asyncio.Event | None = None
 
@@ -134,17 +136,18 @@ class RegistryBase:
 
     async def group_states(self) -> list[GroupState]:
         """Every group, the agents as briefs (no ``kv``: at a fleet's size the whole records
-        outgrow their cache and each read parsed them), as of one revision."""
+        outgrow their cache and each read parsed them), as of one revision; each group's
+        state made once per version of it (``app/registry/kept_states.py``)."""
         groups, revision, remaining = await self._every_group()
         read_at = time.time()
         states = []
         for i, (gid, entries) in enumerate(groups):
             if i % STATES_SLICE == STATES_SLICE - 1:
                 await asyncio.sleep(0)  # let heartbeats in: 12,500 groups took 1.2 s
-            sub = Snapshot(entries, revision, remaining, read_at)
-            state = GroupState.read(sub, gid, self.decoded, brief=True)
+            state = self.kept.state(gid, entries, revision, remaining, read_at, self.decoded)
             if state is not None:
                 states.append(state)
+        self.kept.keep_only({gid for gid, _ in groups})
         return states
 
     async def _every_group(self) -> tuple[list[tuple[str, list[Entry]]], int, dict[int, float]]:
@@ -311,9 +314,8 @@ class RegistryBase:
         self.observer.observe(states)
         self.metrics.groups.set(len(states))
         self.metrics.ready_groups.set(sum(not s.missing for s in states))
-        self.metrics.live_agents.set(
-            sum(sum(r < s.engine.tp_size for r in s.agents) for s in states)
-        )
+        # the ranks below tp_size with a live agent
+        self.metrics.live_agents.set(sum(s.engine.tp_size - len(s.missing) for s in states))
         return states
 
 
