@@ -2,7 +2,9 @@
 own (``bench/fleet.py`` runs it after the steady state): three pages of 500 groups
 (``GET /tp-groups``, following ``continue``), the same walk again (a list page keeps each
 group's view once made: ``app/watch/rendered.py``, so a second walk shows what an operator's
-next look costs), then the status page. Prints one JSON object.
+next look costs), then the status page and a scrape of ``/metrics``, each twice (both read
+every group, each group's state kept per version after the first read:
+``app/registry/kept_states.py``). Prints one JSON object.
 
 A process of its own, as an operator's curl or browser is: made from a thread of the load
 client (one asyncio loop driving 12,500 nodes' heartbeats), the first page's figure carried
@@ -48,6 +50,8 @@ def reads(url: str) -> dict[str, Any]:
         times, size = _walk(c, 3)
         again, _ = _walk(c, 3)
         status_dt, status = _timed_get(c, "/status")
+        status_again, _ = _timed_get(c, "/status")
+        metrics = [_timed_get(c, "/metrics")[0] for _ in range(2)]
     return {
         "page_500_ms": [round(t * 1000, 1) for t in times],
         "page_500_again_ms": [round(t * 1000, 1) for t in again],
@@ -55,6 +59,8 @@ def reads(url: str) -> dict[str, Any]:
         "status_ms": round(status_dt * 1000, 1),
         "status_kib": round(len(status.content) / 1024, 1),
         "status_code": status.status_code,
+        "status_again_ms": round(status_again * 1000, 1),
+        "metrics_ms": [round(t * 1000, 1) for t in metrics],
     }
 
 

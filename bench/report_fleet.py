@@ -62,10 +62,13 @@ def _row(store: str, r: dict[str, Any]) -> str:
         return f"| {store} | {r.get('ranks', '?'):,} | failed: {r.get('failed', '?')} |"
     s, reads = r["steady"], r["reads"]
     status = (
-        f"{reads['status_kib']} KiB"
+        f"{reads['status_kib']} KiB, {reads['status_ms']:.0f} ms"
+        + (f"; again {reads['status_again_ms']:.0f} ms" if "status_again_ms" in reads else "")
         if reads.get("status_code", 200) == 200
         else f"answered {reads['status_code']}"
     )
+    if "metrics_ms" in reads:
+        status += "; /metrics " + ", ".join(f"{t:.0f}" for t in reads["metrics_ms"]) + " ms"
     size = (
         f"{r['store']['bytes'] / 2**20:.0f} MiB"
         if "bytes" in r["store"]
@@ -98,7 +101,7 @@ def table(f: dict[str, Any]) -> list[str]:
         "",
         "| store | ranks | ready | server CPU, steady | heartbeat p50 / p99 | handshake p99 "
         "| client lag p99 | RSS | store | page of 500 (slowest; a second walk) | status page "
-        "| restart |",
+        "(and /metrics, twice) | restart |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for store, rows in f.get("rows", {}).items():
