@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from app.errors import (
@@ -48,6 +48,11 @@ class SeenGroups(Protocol):
 
     @property
     def groups(self) -> Mapping[str, Mapping[str, Entry]]: ...
+
+    @property
+    def order(self) -> Iterable[str]:
+        """The ids of ``groups``, in order."""
+        ...
 
     @property
     def following(self) -> bool:
@@ -167,7 +172,7 @@ class RegistryBase:
             return list(by_group.items()), snap.revision, snap.lease_remaining_s
         revision = await seen.caught_up(STATES_WAIT_S)
         shown = seen.groups  # a group's mapping is replaced on a change, never changed
-        groups = [(gid, list(shown[gid].values())) for gid in sorted(shown)]
+        groups = [(gid, list(shown[gid].values())) for gid in seen.order]  # in order
         leases = {e.lease for _, entries in groups for e in entries if e.lease is not None}
         remaining = await self.store.lease_remaining(leases) if leases else {}
         ended = {lease for lease, left in remaining.items() if left <= 0}

@@ -20,6 +20,8 @@ import contextlib
 import logging
 import time
 
+from sortedcontainers import SortedList
+
 from app.registry.records import Decoded, EngineRecord, _engine_key
 from app.registry.state import GroupState
 from app.schemas import Engine
@@ -70,6 +72,9 @@ class Feed:
         self.decoded = decoded
         self.progress_s = progress_s
         self.groups: dict[str, Group] = {}
+        # the ids of ``groups`` in order, kept as groups come and go: a list page starts at
+        # its token's group without sorting 12,500 ids (3-6 ms a page at 100,000 ranks)
+        self.order: SortedList[str] = SortedList()
         self.log = EventLog(keep)
         self.progress = 0
         self.epoch = 0  # a new log (after a compaction): older positions mean nothing
@@ -101,6 +106,7 @@ class Feed:
         for entry in snap.entries:
             groups.setdefault(group_of(entry.key), {})[entry.key] = entry
         self.groups = dict(groups)
+        self.order = SortedList(self.groups)
         self.progress = snap.revision
         self.log.reset(snap.revision)
         self.epoch += 1
@@ -147,9 +153,12 @@ class Feed:
                 else:
                     new[change.key] = change.entry
                 if new:
+                    if group is None:
+                        self.order.add(gid)
                     self.groups[gid] = new
-                else:
-                    self.groups.pop(gid, None)
+                elif group is not None:
+                    del self.groups[gid]
+                    self.order.remove(gid)
             now = time.time()
             for gid, before in touched.items():
                 self._event(gid, before, batch.revision, now)

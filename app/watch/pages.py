@@ -14,7 +14,7 @@ import base64
 import binascii
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from app.errors import FieldProblem, InvalidRequest, RevisionCompacted
 from app.registry.records import Decoded, EngineRecord, _engine_key
@@ -104,6 +104,14 @@ async def views(
     return out
 
 
+def _after(feed: Feed, groups: Mapping[str, Group], after: str) -> Iterable[str]:
+    """The ids of ``groups`` past ``after``, in order: from the feed's kept order when the page
+    reads the feed's groups as they are now, else sorted (a page of an older revision)."""
+    if groups is feed.groups:
+        return feed.order.irange(minimum=after, inclusive=(False, True))
+    return sorted(g for g in groups if g > after)
+
+
 async def read_page(
     feed: Feed,
     store: Store,
@@ -118,7 +126,7 @@ async def read_page(
     revision, after, groups = await snapshot(feed, token=token, selector=role, timeout_s=timeout_s)
     page: list[str] = []
     more = False
-    for gid in sorted(g for g in groups if g > after):
+    for gid in _after(feed, groups, after):
         engine_entry = groups[gid].get(_engine_key(gid))
         if engine_entry is None:
             continue

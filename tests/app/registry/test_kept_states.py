@@ -18,6 +18,7 @@ from app.registry.records import Decoded
 from app.registry.state import GroupState
 from app.schemas import OpenEngineRequest, RegisterAgentsRequest, ServingRequest
 from app.store import Snapshot, create_store
+from app.watch.feed import Feed
 from tests.support.faults import agent_body, open_body
 from tests.support.feeds import registry_with_feed
 
@@ -55,8 +56,13 @@ def _fields(state: GroupState) -> dict[str, Any]:
 
 async def _check(registry: Registry) -> int:
     """Each group's kept state equals a fresh read of the same entries (a cache of its own:
-    nothing shared with the registry's); how many were taken as kept."""
+    nothing shared with the registry's); how many were taken as kept. The feed's order of
+    its groups is theirs sorted (list pages and this read walk it)."""
     groups, revision, remaining = await registry._every_group()
+    feed = registry.seen
+    assert isinstance(feed, Feed)
+    assert list(feed.order) == sorted(feed.groups)
+    assert [gid for gid, _ in groups] == sorted(feed.groups)
     read_at = time.time()
     taken = 0
     for gid, entries in groups:
@@ -103,6 +109,7 @@ def test_kept_states_equal_fresh_reads_through_a_groups_changes(tmp_path: Path) 
             await _register(registry, "h", other, range(TP))
             await _check(registry)
             await registry.delete_group("g")
+            await _check(registry)
             await registry.group_states()
             assert set(registry.kept._kept) == {"h"}  # what a read did not show is dropped
 
