@@ -126,8 +126,8 @@ def test_two_of_three_members_killed_answer_503_within_the_bound_then_recover(
                 )
                 await asyncio.sleep(0.5)
                 t_kill = time.monotonic()
-                await asyncio.to_thread(etcd_trio.kill, 0)
-                await asyncio.to_thread(etcd_trio.kill, 1)
+                for member in killed:
+                    await asyncio.to_thread(etcd_trio.kill, member)
                 healthz = await client.get(f"{a}/healthz")
                 assert healthz.status_code == 200
                 answers = await asyncio.gather(
@@ -136,6 +136,12 @@ def test_two_of_three_members_killed_answer_503_within_the_bound_then_recover(
                 held_answer, _ = await asyncio.wait_for(held, 40)
                 return answers, (held_answer, time.monotonic() - t_kill)
 
+        # The leader and one more: a leader left alone renews leases from its memory until it
+        # steps down (etcd's own behaviour, not a stale read), so a heartbeat, which reads
+        # nothing from etcd, may be answered 200 in that window; without the leader the lone
+        # follower has none to forward renewals to.
+        leader = etcd_trio.leader_index()
+        killed = [leader, next(i for i in range(3) if i != leader)]
         answers, (held_answer, held_elapsed) = asyncio.run(outage())
         for (method, _, path, _), (answer, elapsed) in zip(requests, answers, strict=True):
             _expect_503(answer, elapsed, f"{method} {path}")
@@ -146,8 +152,8 @@ def test_two_of_three_members_killed_answer_503_within_the_bound_then_recover(
         worst_503 = max(elapsed for _, elapsed in answers)
 
         t_restart = time.monotonic()
-        etcd_trio.restart(0)
-        etcd_trio.restart(1)
+        for member in killed:
+            etcd_trio.restart(member)
 
         def serves() -> bool:
             try:
