@@ -1,6 +1,6 @@
-"""``python -m bench.wire_cost [--groups N] [--connections C] [--evict BYTES] [--profile OUT]``:
-the CPU a node heartbeat costs on the registry's whole server path, in this process, without
-sockets.
+"""``python -m bench.wire_cost [--groups N] [--connections C] [--evict BYTES] [--profile OUT]
+[--profile-launch OUT]``: the CPU a node heartbeat and a group's launch cost on the registry's
+whole server path, in this process, without sockets.
 
 The registry's own app and server pieces (``create_app``, ``RegistryConfig``: uvicorn's
 protocol class with the wire path of app/api/wire.py, the lifespan with a real SQLite store in
@@ -12,6 +12,11 @@ transport keeps what is written: no syscall, no other process; so this is the Py
 a heartbeat (parsing, the wire path, the handler, the answer, the bookkeeping) with the SQLite
 file's thread beside it. Process CPU per heartbeat (the heartbeats' own, summed): the best
 round and the median. Nothing is asserted; ``--profile`` writes a cProfile of one more round.
+
+The launch (each group's open, then its node's registration, one group at a time) is counted
+as CPU while the registry answers (the client's bodies are made outside those spans): per
+group, the event loop's thread and the whole process (the SQLite file's thread beside it);
+``--profile-launch`` writes a cProfile of those spans.
 
 ``--evict BYTES`` writes over a buffer of that size between two heartbeats (not timed), as the
 rest of a live machine does between two heartbeats 0.8 ms apart (the client, the kernel's
@@ -75,7 +80,11 @@ class KeptTransport(asyncio.Transport):
 
 
 async def measure(
-    groups: int, connections: int, profile: Path | None, evict: int = 0
+    groups: int,
+    connections: int,
+    profile: Path | None,
+    evict: int = 0,
+    launch_profile: Path | None = None,
 ) -> dict[str, Any]:
     from uvicorn.lifespan.on import LifespanOn
     from uvicorn.server import ServerState
@@ -118,18 +127,34 @@ async def measure(
 
         fleet = Fleet(groups * TP, BLOB_BYTES, REGIONS)
         engines: dict[str, str] = {}
+        # The launch, one group at a time: CPU counted only while the registry answers (the
+        # bodies are made outside), for the loop's thread and the whole process.
+        launch = {"thread": 0.0, "process": 0.0}
+        launch_prof = cProfile.Profile() if launch_profile is not None else None
+
+        async def timed(data: bytes) -> bytes:
+            thread, process = time.thread_time(), time.process_time()
+            if launch_prof is not None:
+                launch_prof.enable()
+            answer = await request(data)
+            if launch_prof is not None:
+                launch_prof.disable()
+            launch["thread"] += time.thread_time() - thread
+            launch["process"] += time.process_time() - process
+            return answer
+
         for i, gid in enumerate(fleet.groups):
             role = "prefill" if gid.startswith("prefill") else "decode"
             body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
-            answer = await request(RawPool.prepare("PUT", f"/tp-groups/{gid}/engine", body))
+            answer = await timed(RawPool.prepare("PUT", f"/tp-groups/{gid}/engine", body))
             eid = json.loads(answer.partition(b"\r\n\r\n")[2])["engine_id"]
             agents = {"agents": fleet.agents(i, eid)}
-            answer = await request(
-                RawPool.prepare("PUT", f"/tp-groups/{gid}/engine/agents", agents)
-            )
+            answer = await timed(RawPool.prepare("PUT", f"/tp-groups/{gid}/engine/agents", agents))
             if not answer.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"registration refused: {answer[:300]!r}")
             engines[gid] = eid
+        if launch_prof is not None and launch_profile is not None:
+            launch_prof.dump_stats(launch_profile)
         rng = random.Random(1)
         beats = [
             RawPool.prepare(
@@ -167,6 +192,10 @@ async def measure(
         "connections": connections,
         "evict_bytes": evict,
         "heartbeat_cpu_us": {"best": round(rounds[0], 1), "median": round(rounds[ROUNDS // 2], 1)},
+        "launch_cpu_ms_a_group": {
+            "loop_thread": round(launch["thread"] / groups * 1e3, 3),
+            "process": round(launch["process"] / groups * 1e3, 3),
+        },
         "rounds": ROUNDS,
         "per_round": PER_ROUND,
     }
@@ -177,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--connections", type=int, default=1)
     parser.add_argument("--evict", type=int, default=0, help="bytes written between heartbeats")
-    parser.add_argument("--profile", type=Path)
+    parser.add_argument("--profile", type=Path, help="a cProfile of one more heartbeat round")
+    parser.add_argument("--profile-launch", type=Path, help="a cProfile of the launch's answers")
     args = parser.parse_args(argv)
     import uvloop
 
     os.environ.setdefault("REGISTRY_LOG_LEVEL", "warning")
-    out = uvloop.run(measure(args.groups, args.connections, args.profile, args.evict))
+    out = uvloop.run(
+        measure(args.groups, args.connections, args.profile, args.evict, args.profile_launch)
+    )
     print(json.dumps(out))
     return 0
 
