@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import time
 
@@ -32,6 +34,14 @@ from app.watch.rendered import Rendered
 log = logging.getLogger("app.watch")
 
 PREFIX = "groups/"
+# ``reached``'s heap is swept of ended waits (timed out, cancelled) once it holds this many and
+# twice the waits in progress (so a sweep's cost is paid for by the pushes before it).
+DUE_PRUNE_AT = 4096
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def group_of(key: str) -> str:
@@ -81,6 +91,10 @@ class Feed:
         self.loaded: asyncio.Future[None] | None = None
         self.failure: str | None = None
         self._news: asyncio.Future[None] | None = None
+        # ``reached``'s waiters by revision: each woken once, when the feed passes it
+        self._due: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._due_order = itertools.count()
+        self._waiting = 0  # waits in ``reached`` now
         self._nudge = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.closing = False
@@ -186,6 +200,9 @@ class Feed:
         if self._news is not None and not self._news.done():
             self._news.set_result(None)
         self._news = None
+        due = self._due
+        while due and (due[0][0] <= self.progress or self.closing):
+            _settle(heapq.heappop(due)[2])
 
     def news(self) -> asyncio.Future[None]:
         """A future that completes at the feed's next progress (or its closing)."""
@@ -214,20 +231,33 @@ class Feed:
     async def reached(self, revision: int, timeout_s: float) -> bool:
         """Whether the feed has applied every change up to ``revision``, waiting at most
         ``timeout_s`` for it (asking etcd for its progress once); a failing feed answers
-        False at once."""
+        False at once.
+
+        Each waiter is woken once, when the feed passes its revision (a heap by revision),
+        not at every change: a node's heartbeat on etcd waits here, and at 100,000 ranks on
+        etcd thousands waited at once while the launch's changes came in; woken at every
+        change, each made another wait, and that took the event loop's time the feed needed to
+        catch up (``docs/benchmarks.md``)."""
         if self.progress >= revision:
             return True
         if not self.following:
             return False
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        waiter: asyncio.Future[None] = loop.create_future()
+        if len(self._due) >= max(DUE_PRUNE_AT, 2 * self._waiting):
+            # waits that ended (timed out, cancelled) leave the heap here at the latest
+            self._due = [d for d in self._due if not d[2].done()]
+            heapq.heapify(self._due)
+        heapq.heappush(self._due, (revision, next(self._due_order), waiter))
+        self._waiting += 1
         self._nudge.set()
-        while self.progress < revision:
-            left = deadline - loop.time()
-            if left <= 0 or self.closing:
-                return False
-            await asyncio.wait({self.news()}, timeout=left)
-        return True
+        timer = loop.call_later(timeout_s, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiting -= 1
+        return self.progress >= revision and not self.closing
 
     async def caught_up(self, timeout_s: float) -> int:
         """Wait until the feed has applied every change up to the store's revision now (a
