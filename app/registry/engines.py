@@ -38,17 +38,17 @@ class EnginesMixin(RegistryBase):
 
     async def open_engine(self, gid: str, req: OpenEngineRequest) -> tuple[Engine, bool]:
         """Open the engine of ``req.launch_id``; returns (engine, created)."""
+        if self.store.remote_reads:
+            opened = await self._open_as_seen(gid, req)
+            if opened is not None:
+                return opened, True
         for _ in range(MAX_ATTEMPTS):
             snap = await self.store.range(_group_prefix(gid))
             state = GroupState.read(snap, gid, self.decoded)
-            generation = 1
-            if state is not None:
-                current = state.engine
-                if current.launch_id == req.launch_id:
-                    self._check_same_launch(gid, current, req)
-                    return state.view(), False
-                generation = current.generation + 1
-            launch_key = f"launches/{gid}/{req.launch_id}"
+            if state is not None and state.engine.launch_id == req.launch_id:
+                self._check_same_launch(gid, state.engine, req)
+                return state.view(), False
+            launch_key = _launch_key(gid, req.launch_id)
             launch = await self.store.get(launch_key)
             if launch is not None and launch.mod_revision > snap.revision:
                 continue  # a concurrent open wrote it after our read: re-read, maybe it's ours
@@ -64,46 +64,87 @@ class EnginesMixin(RegistryBase):
                 )
                 self.events.refusal(error, gid, launch_id=req.launch_id)
                 raise error
-            engine = EngineRecord(
-                group_id=gid,
-                engine_id=str(uuid.uuid4()),
-                generation=generation,
-                launch_id=req.launch_id,
-                tp_size=req.tp_size,
-                role=req.role,
-                compat=req.compat or {},
-                created_at=utc_iso(time.time()),
+            opened = await self._write_open(
+                gid,
+                req,
+                state.engine if state else None,
+                state.engine_revision if state else 0,
+                [a.lease for a in state.agents.values()] if state else [],
             )
-            index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
-            engine_json, index_json = _dump(engine), _dump(index)
-            result = await self.store.txn(
-                [
-                    Compare(_engine_key(gid), state.engine_revision if state else 0),
-                    Compare(launch_key, 0),
-                ],
-                [
-                    Put(_engine_key(gid), engine_json),
-                    Put(launch_key, index_json),
-                    Put(f"engines/{engine.engine_id}", index_json),
-                    Delete(_agent_prefix(gid), prefix=True),
-                    Delete(f"blobs/{gid}/", prefix=True),
-                    Delete(_serving_key(gid)),  # the old launch's instance serves no more
-                ],
-            )
-            if result.succeeded:
-                self.decoded.forget(gid, keep_engines=True)  # its agents and blobs are gone
-                if state is not None:
-                    self.events.forget_engines([state.engine.engine_id])
-                self.decoded.remember(_engine_key(gid), result.revision, engine, len(engine_json))
-                self.decoded.remember(
-                    f"engines/{engine.engine_id}", result.revision, index, len(index_json)
-                )
-                self.metrics.engines_opened.inc()
-                if state is not None:
-                    await self._revoke_quietly(a.lease for a in state.agents.values())
-                fresh = GroupState(engine, result.revision, {}, {}, {}, result.revision)
-                return fresh.view(), True
+            if opened is not None:
+                return opened, True
         raise StoreUnavailable(f"Opening an engine for group {gid!r} lost too many races.")
+
+    async def _open_as_seen(self, gid: str, req: OpenEngineRequest) -> Engine | None:
+        """A new launch decided on the replica's watch feed instead of two reads of the store
+        (``Store.remote_reads``: on etcd two linearizable reads, which under a fleet's launch
+        took 4-5 times a write's time). The write's compares (the engine's key at the revision
+        the feed shows, absent if it shows none; the launch's key absent) hold exactly when a
+        read of the store would have shown the same engine and no such launch, so it is the
+        write that read would have led to, or it fails and the caller reads (a feed behind,
+        a launch seen before). The same launch again (a retried open) is always read: the
+        feed may not show that it was superseded."""
+        seen = self.seen
+        if seen is None or not seen.following:
+            return None
+        group = seen.groups.get(gid, {})
+        entry = group.get(_engine_key(gid))
+        current = None if entry is None else self.decoded.record(entry, EngineRecord)
+        if current is not None and current.launch_id == req.launch_id:
+            return None
+        agents = _agent_prefix(gid)
+        leases = [self.decoded.brief(e).lease for k, e in group.items() if k.startswith(agents)]
+        revision = 0 if entry is None else entry.mod_revision
+        return await self._write_open(gid, req, current, revision, leases)
+
+    async def _write_open(
+        self,
+        gid: str,
+        req: OpenEngineRequest,
+        current: EngineRecord | None,
+        engine_revision: int,
+        leases: list[int],
+    ) -> Engine | None:
+        """The new engine written if the group's engine is still ``current`` (at
+        ``engine_revision``) and the launch never opened before; None when either fails."""
+        generation = 1 if current is None else current.generation + 1
+        engine = EngineRecord(
+            group_id=gid,
+            engine_id=str(uuid.uuid4()),
+            generation=generation,
+            launch_id=req.launch_id,
+            tp_size=req.tp_size,
+            role=req.role,
+            compat=req.compat or {},
+            created_at=utc_iso(time.time()),
+        )
+        index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
+        engine_json, index_json = _dump(engine), _dump(index)
+        launch_key = _launch_key(gid, req.launch_id)
+        result = await self.store.txn(
+            [Compare(_engine_key(gid), engine_revision), Compare(launch_key, 0)],
+            [
+                Put(_engine_key(gid), engine_json),
+                Put(launch_key, index_json),
+                Put(f"engines/{engine.engine_id}", index_json),
+                Delete(_agent_prefix(gid), prefix=True),
+                Delete(f"blobs/{gid}/", prefix=True),
+                Delete(_serving_key(gid)),  # the old launch's instance serves no more
+            ],
+        )
+        if not result.succeeded:
+            return None
+        self.decoded.forget(gid, keep_engines=True)  # its agents and blobs are gone
+        if current is not None:
+            self.events.forget_engines([current.engine_id])
+        self.decoded.remember(_engine_key(gid), result.revision, engine, len(engine_json))
+        self.decoded.remember(
+            f"engines/{engine.engine_id}", result.revision, index, len(index_json)
+        )
+        self.metrics.engines_opened.inc()
+        if current is not None:
+            await self._revoke_quietly(leases)
+        return GroupState(engine, result.revision, {}, {}, {}, result.revision).view()
 
     async def _revoke_quietly(self, leases: Iterable[int]) -> None:
         """End the superseded agents' leases now, so that a heartbeat racing the open cannot
@@ -156,3 +197,7 @@ class EnginesMixin(RegistryBase):
                 self.events.forget_engines(engine_ids)
                 return
         raise StoreUnavailable(f"Deleting group {gid!r} lost too many races.")
+
+
+def _launch_key(gid: str, launch_id: str) -> str:
+    return f"launches/{gid}/{launch_id}"

@@ -143,6 +143,11 @@ class Store(ABC):
     description: str = ""
     #: Whether :meth:`refresh_lease` answers with the revision the renewal was applied at.
     renewal_revisions: bool = False
+    #: Whether a read is a round trip to a server (etcd: a linearizable read, which waits for
+    #: the leader and for the member to apply the writes before it). The registry then decides
+    #: a write on its watch feed where the write's own compares make that decision safe, and
+    #: reads the store only when they fail.
+    remote_reads: bool = False
 
     @abstractmethod
     async def get(self, key: str, *, settled: bool = True) -> Entry | None:

@@ -52,6 +52,7 @@ from app.store.etcd_state import LeaseBook, WatchHub
 
 class EtcdStore(Store):
     renewal_revisions = True
+    remote_reads = True
 
     def __init__(
         self,
