@@ -33,8 +33,13 @@ from app.store import Entry, Lease
 
 # How long a heartbeat waits for the watch feed to reach its renewals' revision. The leases are
 # renewed before the wait, so a feed that lags delays the answer, never the renewal; the range
-# read instead costs etcd a linearizable read when a launch's load can least afford it.
-SEEN_WAIT_S = 1.0
+# read instead costs etcd a linearizable read when a launch's load can least afford it. In a
+# launch of 100,000 ranks on etcd the feed lagged 0.5-1.4 s (median) for minutes: with 1 s,
+# 15-47% of the heartbeats of each 5 s of the launch's first 80 s took the range read; with 3 s,
+# none after its first 25 s, and the launch was ready in 131 s against 168 s (one run each,
+# docs/benchmarks.md). The worker library waits for a heartbeat's answer as long as its
+# interval (10 s by default).
+SEEN_WAIT_S = 3.0
 
 
 class RenewalsMixin(RegistryBase):
