@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,12 +27,6 @@ if not etcd_available():
 from app.store.etcd import EtcdStore  # noqa: E402
 
 TP = 8
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    with EtcdCluster(Path(tmp_path_factory.mktemp("etcd-heartbeat")), size=1) as cluster:
-        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,12 +26,6 @@ if not etcd_available():
 from app.store.etcd import EtcdStore  # noqa: E402
 
 GROUPS = 10
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    with EtcdCluster(Path(tmp_path_factory.mktemp("etcd-open")), size=1) as cluster:
-        yield cluster
 
 
 def launch(launch_id: str | None = None) -> OpenEngineRequest:

@@ -10,7 +10,6 @@ import asyncio
 import base64
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,6 @@ if not etcd_available():
 TP = 8
 BLOB = 4096  # about a real rank's NIXL metadata (docs/benchmarks.md)
 GROUPS = 16
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    with EtcdCluster(Path(tmp_path_factory.mktemp("etcd-states")), size=1) as cluster:
-        yield cluster
 
 
 def sent_bytes(cluster: EtcdCluster) -> float:
