@@ -22,21 +22,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.registry import Registry
 from app.store import Put, create_store
-from app.watch.feed import Feed
+from tests.support.feeds import registry_with_feed
 
 
 async def one(changes: int, waiters: int) -> float:
     """The loop thread's CPU a change (µs) with ``waiters`` waiting."""
     with tempfile.TemporaryDirectory(prefix="feed-waits-") as tmp:
         store = create_store(f"sqlite:///{Path(tmp) / 'r.db'}")
-        await store.start()
-        registry = Registry(store)
-        feed = Feed(store, registry.decoded)
-        feed.start()
-        try:
-            await feed.ready(10.0)
+        async with registry_with_feed(store) as (_, feed):
             head = (await store.txn([], [Put("groups/g/note", b"{}")])).revision
             assert await feed.reached(head, 10.0)
             waits = [
@@ -51,9 +45,6 @@ async def one(changes: int, waiters: int) -> float:
                     raise RuntimeError("the feed did not apply a change within 10 s")
             await asyncio.gather(*waits)
             spent = time.thread_time() - started
-        finally:
-            await feed.close()
-            await store.close()
     return spent / changes * 1e6
 
 
