@@ -18,7 +18,9 @@ Hierarchy::
     │       ├── EngineSuperseded       410 engine_superseded (.current_engine_id)
     │       ├── PayloadTooLarge        413 payload_too_large
     │       ├── NotReady               503 not_ready (.missing_ranks)
-    │       └── StoreUnavailable       503 store_unavailable
+    │       ├── StoreUnavailable       503 store_unavailable
+    │       ├── RevisionCompacted      410 revision_compacted (list again)
+    │       └── RevisionAhead          410 revision_ahead (list again)
     ├── EngineIdentityError            the TP group does not agree on its engine_id; raised
     │                                  on every rank with the same message
     ├── TransferError                  a NIXL transfer failed or missed its deadline
@@ -173,6 +175,13 @@ class RevisionCompacted(ProblemError):
         return int(self.problem.get("oldest_revision", 0))
 
 
+class RevisionAhead(ProblemError):
+    """A watch or a list page from a revision beyond the store's (a store restored from a
+    backup, or a registry restarted on a fresh file): list again."""
+
+    code = "revision_ahead"
+
+
 class TooManyWatchers(ProblemError):
     code = "too_many_watchers"
 
@@ -198,6 +207,7 @@ PROBLEM_CLASSES: dict[str, type[ProblemError]] = {
         NotReady,
         StoreUnavailable,
         RevisionCompacted,
+        RevisionAhead,
         TooManyWatchers,
     )
 }

@@ -11,8 +11,16 @@ Policy, in one place:
   the last revision it delivered, on the next replica: nothing is lost or repeated (a
   revision that changed several groups is resumed from just before it, and the groups
   already yielded at it are skipped).
-- ``410 revision_compacted`` (the revision is older than the history kept) lists again and
-  yields a new ``SYNC``: replace what you knew with it.
+- ``410 revision_compacted`` (the revision is older than the history kept) and
+  ``410 revision_ahead`` (the revision is beyond the store's: a store restored from a backup,
+  a registry restarted on a fresh file) list again and yield a new ``SYNC``: replace what you
+  knew with it.
+- Between tries, a pause of the one back-off policy (`workers.backoff.Backoff`: capped
+  exponential, full jitter, a server's ``Retry-After`` as a floor), the first try after a
+  failure included: watchers that lost the same replica come back spread over the window,
+  not in the same second. A line heard resets it.
+- ``role`` and ``model`` (the engine's ``compat["model"]``) filter on the server: a group
+  that enters the filter comes as ``ADDED``, one that leaves it as ``DELETED``.
 - A refusal that retrying cannot fix (401, 403, 422) raises its `ProblemError` at once.
 - Nothing heard from any replica for ``lost_after_s`` (no line, no answer) raises
   `WatchLost` (a `RegistryUnavailable`).
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +38,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from workers.errors import ProblemError, RevisionCompacted, WatchLost, problem_class
+from workers.backoff import Backoff, retry_after
+from workers.errors import (
+    ProblemError,
+    RevisionAhead,
+    RevisionCompacted,
+    WatchLost,
+    problem_class,
+)
 from workers.models import Engine
 
 if TYPE_CHECKING:
@@ -40,6 +56,14 @@ PAGE = 500
 # Codes of a stream's final ERROR line after which another replica (or the same one, later)
 # serves the watch on from its revision.
 _RESUMABLE = {"shutting_down", "slow_consumer", "too_many_watchers", "store_unavailable"}
+# Codes after which the watch lists again: its revision is gone from the history, or ahead of
+# the store's.
+_RELIST = {"revision_compacted", "revision_ahead"}
+# The reconnect pauses' default: the first drawn from [0, 0.5 s), doubling to at most 8 s.
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 8.0
+
+log = logging.getLogger("workers.watch")
 
 
 @dataclass(frozen=True)
@@ -55,7 +79,9 @@ class _Relist(Exception):
 
 
 class _Resume(Exception):
-    pass
+    def __init__(self, why: str, retry_after_s: float | None = None) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
 
 
 class Cursor:
@@ -76,7 +102,8 @@ class Cursor:
         kind, revision = str(line["type"]), int(line["revision"])
         if kind == "ERROR":
             problem = line.get("object") or {}
-            if problem.get("code") == "revision_compacted":
+            if problem.get("code") in _RELIST:
+                log.warning("watch: %s; listing again", problem.get("detail") or problem)
                 raise _Relist()
             raise _Resume(str(problem.get("code")))
         if kind == "BOOKMARK":
@@ -106,39 +133,52 @@ class _Watch:
         bookmarks: bool,
         idle_timeout_s: float,
         lost_after_s: float,
+        model: str | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         self.client = client
         self.cursor = None if revision is None else Cursor(revision)
-        self.role = role
+        self.filters: dict[str, str] = {
+            k: v for k, v in (("role", role), ("model", model)) if v is not None
+        }
         self.bookmarks = bookmarks
         self.idle_timeout_s = idle_timeout_s
         self.lost_after_s = lost_after_s
+        self.backoff = backoff or Backoff(base_s=BACKOFF_BASE_S, cap_s=BACKOFF_CAP_S)
         self.url_index = 0
         self.heard = time.monotonic()
         self.failures: list[str] = []
+        self.wait_s = 0.0  # the pause before the next try (set by a failure)
 
     def params(self, cursor: Cursor) -> dict[str, Any]:
-        params: dict[str, Any] = {"watch": "true", "revision": cursor.resume_from}
-        return params | ({"role": self.role} if self.role else {})
+        return {"watch": "true", "revision": cursor.resume_from} | self.filters
+
+    def list_params(self) -> dict[str, Any]:
+        return {"limit": PAGE} | self.filters
 
     def timeout(self) -> httpx.Timeout:
         return httpx.Timeout(self.idle_timeout_s, connect=self.client.connect_timeout_s)
 
-    def failed(self, why: str) -> None:
-        """A replica failed this watch: the next one serves it; lost past the deadline."""
+    def failed(self, why: str, retry_after_s: float | None = None) -> None:
+        """A replica failed this watch: the next one serves it after a jittered pause (at
+        least ``retry_after_s``); lost past the deadline."""
         self.failures.append(f"{self.client.urls[self.url_index]}: {why}")
         self.url_index = (self.url_index + 1) % len(self.client.urls)
-        if time.monotonic() - self.heard > self.lost_after_s:
+        left = self.heard + self.lost_after_s - time.monotonic()
+        if left < 0:
             raise WatchLost(
                 f"watch: no registry answered for {self.lost_after_s:g} s (tried "
                 f"{', '.join(self.client.urls)}; last: {'; '.join(self.failures[-3:])})",
                 urls=list(self.client.urls),
                 attempts=len(self.failures),
             )
+        # The last try comes at the deadline, not a pause after it.
+        self.wait_s = min(self.backoff.next(retry_after_s), left + 0.01)
 
     def pause(self) -> float:
-        """After a full round of failures, a short wait before the next."""
-        return min(1.0, 0.1 * len(self.failures)) if self.url_index == 0 else 0.0
+        """The pause a failure set (0 after a success or a relist), taken once."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
 
     def check(self, response: httpx.Response, body: bytes) -> None:
         """An error answer to the watch request: relist, resume elsewhere, or raise."""
@@ -149,16 +189,20 @@ class _Watch:
         if not isinstance(problem, dict):
             problem = {"detail": str(problem)}
         cls = problem_class(response.status_code, problem)
-        if cls is RevisionCompacted:
+        if cls in (RevisionCompacted, RevisionAhead):
+            log.warning("watch: %s; listing again", problem.get("detail") or problem)
             raise _Relist()
         if response.status_code >= 500:
-            raise _Resume(f"{response.status_code} {problem.get('code', '')}")
+            floor = retry_after(response.headers.get("Retry-After"))
+            raise _Resume(f"{response.status_code} {problem.get('code', '')}", floor)
         raise cls(problem, status=response.status_code, url=str(response.url))
 
     def handle(self, raw: str) -> WatchEvent | None:
         assert self.cursor is not None
         self.heard = time.monotonic()
-        self.failures.clear()
+        if self.failures:
+            self.failures.clear()
+            self.backoff.reset()
         event = self.cursor.accept(json.loads(raw))
         if event is not None and event.type == "BOOKMARK" and not self.bookmarks:
             return None
@@ -168,6 +212,8 @@ class _Watch:
         revision = int(body["revision"])
         self.cursor = Cursor(revision)
         self.heard = time.monotonic()
+        self.failures.clear()
+        self.backoff.reset()
         return WatchEvent("SYNC", revision, groups=groups)
 
 
@@ -176,11 +222,11 @@ class GroupWatch(_Watch):
 
     def _list(self) -> WatchEvent:
         groups: list[Engine] = []
-        params: dict[str, Any] = {"limit": PAGE} | ({"role": self.role} if self.role else {})
+        params = self.list_params()
         while True:
             try:
                 body = self.client.request("GET", "/tp-groups", params=params).json()
-            except RevisionCompacted:  # the walk outlived the history: from the start
+            except (RevisionCompacted, RevisionAhead):  # the walk outlived its revision
                 groups, params = [], {k: v for k, v in params.items() if k != "continue"}
                 continue
             groups += [Engine.from_json(g) for g in body["groups"]]
@@ -210,7 +256,7 @@ class GroupWatch(_Watch):
             except _Relist:
                 yield self._list()
             except _Resume as exc:
-                self.failed(str(exc))
+                self.failed(str(exc), exc.retry_after_s)
             except httpx.TransportError as exc:
                 self.failed(repr(exc))
             time.sleep(self.pause())
@@ -222,7 +268,7 @@ class AsyncGroupWatch(_Watch):
 
     async def _list(self, http: httpx.AsyncClient) -> WatchEvent:
         groups: list[Engine] = []
-        params: dict[str, Any] = {"limit": PAGE} | ({"role": self.role} if self.role else {})
+        params = self.list_params()
         while True:
             url = self.client.urls[self.url_index]
             try:
@@ -232,8 +278,12 @@ class AsyncGroupWatch(_Watch):
             except _Relist:
                 groups, params = [], {k: v for k, v in params.items() if k != "continue"}
                 continue
-            except (_Resume, httpx.TransportError) as exc:
-                self.failed(str(exc) or repr(exc))
+            except _Resume as exc:
+                self.failed(str(exc), exc.retry_after_s)
+                await asyncio.sleep(self.pause())
+                continue
+            except httpx.TransportError as exc:
+                self.failed(repr(exc))
                 await asyncio.sleep(self.pause())
                 continue
             body = response.json()
@@ -266,7 +316,7 @@ class AsyncGroupWatch(_Watch):
                 except _Relist:
                     yield await self._list(http)
                 except _Resume as exc:
-                    self.failed(str(exc))
+                    self.failed(str(exc), exc.retry_after_s)
                 except httpx.TransportError as exc:
                     self.failed(repr(exc))
                 await asyncio.sleep(self.pause())
