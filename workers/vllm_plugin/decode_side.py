@@ -38,7 +38,15 @@ def attach_decode_side(
     def on_release(followed: release.Followed, kind: str, _why: str) -> None:
         counters.released(kind)
 
-    follower = release.Follower(settings, lambda eid: release.hand_to_vllm(worker, eid), on_release)
+    # One watch a node, of the groups serving this instance's model (`node_follow`): not
+    # `role=prefill`, which is exact and would miss the `both` engines a decode loads too.
+    model = side.compat.get("model")
+    follower = release.Follower(
+        settings,
+        lambda eid: release.hand_to_vllm(worker, eid),
+        on_release,
+        model=str(model) if model else None,
+    )
 
     def on_handshake(vllm_engine_id: str, planned: Handshake) -> None:
         follower.follow(vllm_engine_id, planned)

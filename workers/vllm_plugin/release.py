@@ -1,9 +1,10 @@
 """A decode worker drops a prefill engine's NIXL state on the registry's word.
 
-Each prefill engine a decode worker handshaked with is followed on the registry's watch stream
-(`RegistryClient.watch`, one stream per worker, started at its first handshake). When the
-engine's group is relaunched (a new engine supersedes it), deleted, or its ranks' leases lapse
-(the engine is no longer ready: its process died or stalled past its lease), the worker hands
+Each prefill engine a decode worker handshaked with is followed on the registry's watch
+stream: one stream a node, shared by the node's decode workers (`node_follow`, started at a
+worker's first handshake) and filtered by the instance's model. When the engine's group is
+relaunched (a new engine supersedes it), deleted, or its ranks' leases lapse (the engine is
+no longer ready: its process died or stalled past its lease), the worker hands
 the engine to vLLM's own release: it forgets which side-channel address the engine serves
 (`_engine_by_address`, under vLLM's `_handshake_lock`), so vLLM's next
 `_cleanup_remote_engines` (its main thread, each engine step) sees the engine as replaced and
@@ -18,19 +19,23 @@ or `engine_ttl` (3,600 s by default) passes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from workers.errors import RegistryUnavailable
+from workers.backoff import Backoff
 from workers.models import Engine, Handshake
-from workers.vllm_plugin import common
 from workers.vllm_plugin.common import log
+from workers.vllm_plugin.node_follow import NodeFeed
 from workers.vllm_plugin.settings import PluginSettings
 
 MARK = "engine-registry: releasing remote engine"
-RETRY_S = 2.0  # a lost stream, or an engine whose handshake vLLM has not stored yet
-RETRIES = 15
+# An engine whose handshake vLLM has not stored yet: tried again (pauses of 0.1 s doubling
+# to 2 s, jittered) for this long.
+RETRY_FOR_S = 30.0
+RETRY_BASE_S, RETRY_CAP_S = 0.1, 2.0
 
 
 @dataclass(frozen=True)
@@ -72,33 +77,48 @@ def hand_to_vllm(worker: Any, vllm_engine_id: str) -> bool:
 
 
 class Follower:
-    """The watch on the engines one decode worker loaded (its own daemon thread)."""
+    """The engines one decode worker loaded, released on its node's watch (`node_follow`):
+    one daemon thread for the node's events, one for the releases vLLM was not ready for."""
 
     def __init__(
         self,
         settings: PluginSettings,
         release: Callable[[str], bool],
         on_release: Callable[[Followed, str, str], None],
+        *,
+        model: str | None = None,
+        node: str | None = None,
+        directory: Path | None = None,
     ) -> None:
+        """``model``: the instance's ``compat["model"]``, the server-side filter (None: every
+        group); ``node``, ``directory``: `NodeFeed`'s (default: this node, the runtime dir)."""
         self._settings = settings
         self._release = release
         self._on_release = on_release
+        self._feed_args: dict[str, Any] = {"model": model, "node": node, "directory": directory}
         self._lock = threading.Lock()
         self._followed: dict[str, Followed] = {}  # by the registry's engine id
         self._groups: dict[str, Engine | None] = {}  # as the watch last said them
-        self._thread: threading.Thread | None = None
+        self._pending: dict[str, float] = {}  # engine ids vLLM did not hold yet: give up at
+        self._feed: NodeFeed | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    @property
+    def feed(self) -> NodeFeed | None:
+        return self._feed
 
     def follow(self, vllm_engine_id: str, planned: Handshake) -> None:
         """Called once vLLM loaded ``planned``'s ranks (its handshake thread)."""
         followed = Followed(vllm_engine_id, planned.engine_id, planned.group_id, planned.generation)
         with self._lock:
             self._followed[planned.engine_id] = followed
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="engine-registry-release", daemon=True
-                )
-                self._thread.start()
+            if self._feed is None:
+                self._feed = NodeFeed(self._settings, self.apply, **self._feed_args)
+                self._feed.start()
+                threading.Thread(
+                    target=self._retry, name="engine-registry-release", daemon=True
+                ).start()
             known = planned.group_id in self._groups
             engine = self._groups.get(planned.group_id)
         if known:
@@ -106,6 +126,9 @@ class Follower:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
+        if self._feed is not None:
+            self._feed.close()
 
     def apply(self, kind: str, engines: list[Engine], deleted: bool = False) -> None:
         """One watch event: a SYNC's groups, or a group's change (``deleted``: it is gone)."""
@@ -122,39 +145,65 @@ class Follower:
         for followed, engine in todo:
             self._check(followed, engine)
 
-    def _check(self, followed: Followed, engine: Engine | None, tries: int = 0) -> None:
+    def _check(self, followed: Followed, engine: Engine | None) -> bool:
+        """Release ``followed`` if ``engine`` (its group now) says so; False when vLLM did
+        not hold it yet (the retry loop tries again)."""
         verdict = stale_cause(followed, engine)
         if verdict is None:
-            return
+            return True
         kind, why = verdict
         if not self._release(followed.vllm_engine_id):
-            if tries < RETRIES and not self._stop.is_set():
-                timer = threading.Timer(RETRY_S, self._check, (followed, engine, tries + 1))
-                timer.daemon = True
-                timer.start()
-            return
+            with self._lock:
+                self._pending.setdefault(followed.engine_id, time.monotonic() + RETRY_FOR_S)
+            self._wake.set()
+            return False
         with self._lock:
             self._followed.pop(followed.engine_id, None)
         log.warning(
             "%s %s (group %r, generation %d): %s; vLLM frees its NIXL state at its next "
             "engine step once no read is in flight",
-            MARK, followed.vllm_engine_id, followed.group_id, followed.generation, why,
-        )  # fmt: skip
+            MARK,
+            followed.vllm_engine_id,
+            followed.group_id,
+            followed.generation,
+            why,
+        )
         self._on_release(followed, kind, why)
+        return True
 
-    def _run(self) -> None:
+    def _retry(self) -> None:
+        """One loop for every release vLLM was not ready for, on the group's latest word."""
+        backoff = Backoff(base_s=RETRY_BASE_S, cap_s=RETRY_CAP_S)
         while not self._stop.is_set():
-            try:
-                with common.client(self._settings) as client:
-                    for event in client.watch(idle_timeout_s=20.0, lost_after_s=30.0):
-                        if event.type == "SYNC":
-                            self.apply("SYNC", event.groups)
-                        elif event.engine is not None:
-                            self.apply(event.type, [event.engine], event.type == "DELETED")
-                        if self._stop.is_set():
-                            return
-            except RegistryUnavailable as exc:
-                log.warning("engine-registry: release watch lost (%s); retrying", exc)
-            except Exception as exc:  # a refusal (token rotated) or a bad answer: said, retried
-                log.error("engine-registry: release watch failed (%r); retrying", exc)
-            self._stop.wait(RETRY_S)
+            with self._lock:
+                waiting = bool(self._pending)
+            if not waiting:
+                backoff.reset()
+                self._wake.wait(RETRY_FOR_S)
+                self._wake.clear()
+                continue
+            self._stop.wait(backoff.next())
+            with self._lock:
+                todo = [
+                    (engine_id, until, self._followed.get(engine_id))
+                    for engine_id, until in self._pending.items()
+                ]
+                self._pending.clear()
+            for engine_id, until, followed in todo:
+                if followed is None:
+                    continue  # released meanwhile
+                with self._lock:
+                    engine = self._groups.get(followed.group_id)
+                if self._check(followed, engine):
+                    continue  # released, or current again
+                with self._lock:  # `_check` put it back: with its first deadline
+                    if time.monotonic() < until:
+                        self._pending[engine_id] = until
+                        continue
+                    self._pending.pop(engine_id, None)
+                log.info(
+                    "engine-registry: vLLM holds no state for remote engine %s after %g s "
+                    "(its handshake never completed): nothing to release",
+                    followed.vllm_engine_id,
+                    RETRY_FOR_S,
+                )
