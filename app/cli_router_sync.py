@@ -44,21 +44,39 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
     cmd.add_argument(
         "--alive-file",
         type=Path,
-        help="touch this file after each round once synced (a liveness/readiness probe reads "
-        "its age)",
+        help="touch this file after each round once synced, while not blind past --grace "
+        "(a liveness/readiness probe reads its age)",
+    )
+    cmd.add_argument(
+        "--grace",
+        type=float,
+        default=_grace_default(),
+        help="seconds the watch may be blind (no registry heard, or the token refused) before "
+        "nothing is offered and --alive-file is no longer touched; keep it above the "
+        "registry's bookmark interval (ROUTER_SYNC_GRACE_S, default 30)",
     )
     add_tls_flags(cmd)
     cmd.set_defaults(func=command)
 
 
+def _grace_default() -> float:
+    from app.router_sync import DEFAULT_GRACE_S
+
+    value = os.environ.get("ROUTER_SYNC_GRACE_S")
+    try:
+        return float(value) if value else DEFAULT_GRACE_S
+    except ValueError:
+        return float("nan")  # refused by check_grace, naming the variable
+
+
 def command(args: argparse.Namespace) -> int:
     from app.cli import client_tls
-    from app.router_sync import check_interval, run
+    from app.router_sync import check_grace, check_interval, run
     from workers.client import RegistryClient
     from workers.errors import Forbidden, Unauthorized
 
     problems = [] if args.vllm_router else ["name at least one router: --vllm-router HOST:PORT"]
-    problems += [p for p in [check_interval(args.interval)] if p]
+    problems += [p for p in [check_interval(args.interval), check_grace(args.grace)] if p]
     for address in args.vllm_router:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -90,6 +108,9 @@ def command(args: argparse.Namespace) -> int:
             "router-sync: registry not answering yet (%s); retrying", exc
         )
     try:
-        return run(client, args.vllm_router, model=args.model, interval_s=args.interval, stop=stop)
+        return run(
+            client, args.vllm_router, model=args.model, interval_s=args.interval, stop=stop,
+            alive_file=args.alive_file, grace_s=args.grace,
+        )  # fmt: skip
     finally:
         client.close()

@@ -14,25 +14,35 @@ model (``--model``, else the oldest decode instance's); decode instances compati
 oldest one; prefill instances compatible with every offered decode (the registry's compat
 rule, as its handshake applies it), and none while no decode is offered. Every instance
 left out is logged once with its cause.
-While no registry answers, the routers keep being told the last list.
+While the watch is blind (no registry answers, or it refuses the token), the routers keep
+being told the last list for ``grace_s`` (`--grace`); past it nothing is offered, so the routers
+forget every instance within their 5 s expiry, ``alive_file`` is no longer touched (its probe
+fails), and one line says so with the cause. The watch coming back ends it. The sends are
+`app.router_feed`'s; the retries of the watch, `workers.backoff.Backoff`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from app.compat import mismatches
+from app.router_feed import VllmRouter, announce
+
+if TYPE_CHECKING:
+    from workers.backoff import Backoff
 
 log = logging.getLogger("engine_registry.router_sync")
 
-ROUTER_EXPIRY_S = 5.0
-DECODING = ("decode", "both")  # vllm-router forgets an instance not announced for this long
+ROUTER_EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
+DECODING = ("decode", "both")
+DEFAULT_GRACE_S = 30.0  # blind this long, offer nothing (the workers' default lease ttl)
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,11 @@ class Offered:
             "http_address": self.http_address,
             "zmq_address": self.zmq_address,
         }
+
+    def packed(self) -> bytes:
+        import msgpack
+
+        return bytes(msgpack.packb(self.message()))
 
     def describe(self) -> str:
         role = "prefill" if self.kind == "P" else "decode"
@@ -82,7 +97,7 @@ def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offere
         if not engine.ready:
             left_out[engine.group_id] = f"not ready (missing ranks {engine.missing_ranks})"
         elif _address(str(published["url"])) is None:
-            left_out[engine.group_id] = f"url {published['url']} is not http://host:port"
+            left_out[engine.group_id] = f"url {published['url']!r} is not http://host:port"
         else:
             serving.append((engine, published))
     if model is None:  # the oldest decode instance's
@@ -128,44 +143,22 @@ def _differ(engine: Any, others: Iterable[Any]) -> list[str]:
     ]
 
 
-class VllmRouter:
-    """One vllm-router's discovery address, fed over a ZMQ DEALER socket (it reconnects by
-    itself when the router restarts)."""
-
-    def __init__(self, address: str, context: Any) -> None:
-        import zmq
-
-        self.address = address
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDHWM, 1000)
-        self.socket.connect(f"tcp://{address}")
-
-    def announce(self, offered: Sequence[Offered]) -> None:
-        import msgpack
-        import zmq
-
-        for item in offered:
-            try:
-                self.socket.send(msgpack.packb(item.message()), zmq.NOBLOCK)
-            except zmq.Again:  # router away: its queue is full; it hears the next round
-                return
-
-    def close(self) -> None:
-        self.socket.close(0)
-
-
 class Groups:
-    """The registry's groups as the watch last said them, shared with the announcing loop."""
+    """The registry's groups as the watch last said them, shared with the announcing loop,
+    and when the watch last heard from a registry (a change, a list or a bookmark)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.Lock()
         self.engines: dict[str, Any] = {}
         self.synced = threading.Event()
         self.revision = 0
+        self.clock = clock
+        self.heard = clock()
+        self.cause = ""  # why the watch last failed ("" since it last heard something)
 
     def apply(self, event: Any) -> None:
         with self.lock:
+            self.heard, self.cause = self.clock(), ""
             self.revision = event.revision
             if event.type == "SYNC":
                 self.engines = {e.group_id: e for e in event.groups}
@@ -175,34 +168,73 @@ class Groups:
             elif event.engine is not None:
                 self.engines[event.engine.group_id] = event.engine
 
+    def failed(self, cause: str) -> None:
+        with self.lock:
+            self.cause = cause
+
+    def blind(self) -> tuple[float, str]:
+        """(seconds since the watch last heard from a registry, the last failure's cause)."""
+        with self.lock:
+            return self.clock() - self.heard, self.cause
+
     def snapshot(self) -> list[Any]:
         with self.lock:
             return list(self.engines.values())
 
 
-def follow(client: Any, groups: Groups, stop: threading.Event, retry_s: float = 2.0) -> None:
-    """Keep ``groups`` as the registry says (its own thread); a lost registry is retried."""
+def follow(
+    client: Any,
+    groups: Groups,
+    stop: threading.Event,
+    backoff: Backoff | None = None,
+    lost_after_s: float = 30.0,
+) -> None:
+    """Keep ``groups`` as the registry says (its own thread); a failed watch is retried after
+    a `Backoff` pause (full jitter, capped; at least a ``Retry-After`` the error carries).
+    ``lost_after_s``: no replica answering this long ends a watch with the cause (below the
+    grace, so that the line saying router-sync is blind names it)."""
+    from workers.backoff import Backoff
     from workers.errors import RegistryUnavailable
 
+    backoff = backoff or Backoff(base_s=0.5, cap_s=10.0)
     while not stop.is_set():
+        retry_after: float | None = None
         try:
-            for event in client.watch(idle_timeout_s=20.0, lost_after_s=30.0):
+            # Bookmarks on: a quiet registry still says it is there (every few seconds).
+            watch = client.watch(bookmarks=True, idle_timeout_s=20.0, lost_after_s=lost_after_s)
+            for event in watch:
                 groups.apply(event)
+                backoff.reset()
                 if stop.is_set():
                     return
+            groups.failed("the watch ended")
         except RegistryUnavailable as exc:
-            log.warning("router-sync: %s; routers keep the last list; retrying", exc)
+            groups.failed(str(exc))
+            log.warning("router-sync: %s; retrying (routers keep the last list within the "
+                        "grace)", exc)  # fmt: skip
         except Exception as exc:  # a refusal (token rotated) or a bad answer: said, retried
-            log.error("router-sync: the watch failed (%r); routers keep the last list", exc)
-        stop.wait(retry_s)
+            groups.failed(repr(exc))
+            retry_after = _retry_after(exc)
+            log.error("router-sync: the watch failed (%r); retrying (routers keep the last list "
+                      "within the grace)", exc)  # fmt: skip
+        stop.wait(backoff.next(retry_after))
+
+
+def _retry_after(exc: Exception) -> float | None:
+    """The server's ``Retry-After`` (seconds) where the error carries one."""
+    value = getattr(exc, "retry_after_s", None)
+    return float(value) if isinstance(value, int | float) else None
 
 
 class Announcer:
     """Tells every router the offered instances each round; logs each change of the offer."""
 
-    def __init__(self, routers: Sequence[VllmRouter], model: str | None) -> None:
+    def __init__(
+        self, routers: Sequence[VllmRouter], model: str | None, deadline_s: float = 1.0
+    ) -> None:
         self.routers = routers
         self.model = model
+        self.deadline_s = deadline_s  # a round's sends take at most this long
         self.offered: dict[tuple[str, str], Offered] = {}
         self.left_out: dict[str, str] = {}
 
@@ -228,9 +260,45 @@ class Announcer:
             if self.left_out.get(gid) != cause and not any(k[0] == gid for k in self.offered):
                 log.warning("router-sync: not offering %s: %s", gid, cause)
         self.offered, self.left_out = now, left_out
-        for router in self.routers:
-            router.announce(offered)
+        announce(self.routers, [o.packed() for o in offered], self.deadline_s)
         return offered
+
+
+class Sight:
+    """Whether router-sync can still vouch for what it offers: blind (nothing heard from a
+    registry) longer than ``grace_s``, it cannot; each change of that is said in one line."""
+
+    def __init__(self, grace_s: float, alive_file: Path | None) -> None:
+        self.grace_s = grace_s
+        self.alive_file = alive_file
+        self.blinded = False
+        self.since = 0.0  # when the watch last heard something, once blind past the grace
+
+    def vouches(self, groups: Groups, offered: int) -> bool:
+        blind_s, cause = groups.blind()
+        if blind_s <= self.grace_s:
+            if self.blinded:
+                back = time.monotonic() - self.since
+                log.warning("router-sync: the watch is back after %.0f s blind; offering the "
+                            "registry's instances again", back)  # fmt: skip
+            self.blinded = False
+            return True
+        if not self.blinded:
+            self.since = time.monotonic() - blind_s
+            probe = f"; {self.alive_file} is no longer touched" if self.alive_file else ""
+            log.error(
+                "router-sync: blind for %.0f s, past the %g s grace (%s): no longer offering "
+                "the %d instances it last saw (the routers forget them within %g s)%s; "
+                "offering again once the watch is back",
+                blind_s, self.grace_s, cause or "nothing heard on the watch, not even a "
+                "bookmark", offered, ROUTER_EXPIRY_S, probe,
+            )  # fmt: skip
+        self.blinded = True
+        return False
+
+    def alive(self) -> None:
+        if self.alive_file is not None:
+            self.alive_file.touch()
 
 
 def run(
@@ -241,35 +309,50 @@ def run(
     interval_s: float,
     stop: threading.Event,
     alive_file: Path | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
 ) -> int:
     """Follow the registry and feed the routers until ``stop``; 0 then. ``alive_file``:
-    touched after each round once synced with the registry (an exec probe reads its age)."""
+    touched after each round once synced with the registry, while not blind past
+    ``grace_s`` (an exec probe reads its age)."""
     import zmq
 
     context = zmq.Context()
     routers = [VllmRouter(address, context) for address in router_addresses]
     groups = Groups()
+    lost_after_s = min(30.0, grace_s / 2)
     watcher = threading.Thread(
-        target=follow, args=(client, groups, stop), name="router-sync-watch", daemon=True
-    )
+        target=follow, args=(client, groups, stop, None, lost_after_s), name="router-sync-watch",
+        daemon=True,
+    )  # fmt: skip
     watcher.start()
-    announcer = Announcer(routers, model)
+    announcer = Announcer(routers, model, deadline_s=interval_s)
+    sight = Sight(grace_s, alive_file)
     log.warning(
-        "router-sync: following %s for %s (every %.1f s)",
+        "router-sync: following %s for %s (every %.1f s, grace %g s)",
         client.url, ", ".join(f"vllm-router {a}" for a in router_addresses), interval_s,
+        grace_s,
     )  # fmt: skip
     try:
         while not stop.is_set():
-            if groups.synced.is_set():
+            started = time.monotonic()
+            if groups.synced.is_set() and sight.vouches(groups, len(announcer.offered)):
                 announcer.round(groups.snapshot())
-                if alive_file is not None:
-                    alive_file.touch()
-            stop.wait(interval_s)
+                sight.alive()
+            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
     finally:
         for router in routers:
             router.close()
         context.term()
     return 0
+
+
+def check_grace(grace_s: float) -> str | None:
+    if not 2.0 <= grace_s <= 3600.0:  # NaN too
+        return (
+            f"--grace {grace_s:g} (or ROUTER_SYNC_GRACE_S) must be a number of seconds from 2 "
+            "to 3600, above the registry's bookmark interval (REGISTRY_WATCH_BOOKMARK_S, 5 s)"
+        )
+    return None
 
 
 def check_interval(interval_s: float) -> str | None:
@@ -281,4 +364,7 @@ def check_interval(interval_s: float) -> str | None:
     return None
 
 
-__all__ = ["Announcer", "Groups", "Offered", "VllmRouter", "check_interval", "offer", "run"]
+__all__ = [
+    "DEFAULT_GRACE_S", "Announcer", "Groups", "Offered", "Sight", "VllmRouter", "check_grace",
+    "check_interval", "offer", "run",
+]  # fmt: skip
