@@ -13,6 +13,7 @@
     ├── Incompatible          409      incompatible (mismatches)
     ├── EngineSuperseded      410      engine_superseded (current_engine_id, current_generation)
     ├── RevisionCompacted     410      revision_compacted (oldest_revision)
+    ├── RevisionAhead         410      revision_ahead (store_revision)
     ├── TooManyWatchers       503      too_many_watchers
     ├── NotReady              503      not_ready (missing_ranks)
     └── StoreUnavailable      503      store_unavailable
@@ -164,6 +165,15 @@ class RevisionCompacted(RegistryError):
     status = 410
     code = "revision_compacted"
     title = "The revision is older than the history this registry keeps"
+
+
+class RevisionAhead(RegistryError):
+    """A watch's or continue token's revision beyond the store's: the store was restored
+    from a backup or replaced; the client lists again (as after ``revision_compacted``)."""
+
+    status = 410
+    code = "revision_ahead"
+    title = "The revision is ahead of the store's"
 
 
 class TooManyWatchers(RegistryError):

@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
             owned,
             registry.decoded,
             keep=settings.watch_history,
+            keep_bytes=settings.watch_history_bytes,
             progress_s=min(1.0, settings.watch_bookmark_s),
         )
         feed.start()

@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="Group changes each replica keeps for watches and list pages; older: 410.",
     )
+    watch_history_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="The memory (estimated) those changes may hold; past it the oldest go "
+        "first (watchers behind them get 410).",
+    )
     watch_max: int | None = Field(
         None,
         ge=1,

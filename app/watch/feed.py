@@ -28,7 +28,7 @@ from app.registry.records import Decoded, EngineRecord, _engine_key
 from app.registry.state import GroupState
 from app.schemas import Engine
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
-from app.watch.history import EventLog, Group, GroupEvent
+from app.watch.history import ENTRY_BYTES, EVENT_BASE_BYTES, EventLog, Group, GroupEvent
 from app.watch.rendered import Rendered
 
 log = logging.getLogger("app.watch")
@@ -76,7 +76,13 @@ def _line(kind: str, revision: int, gid: str, group: Group, decoded: Decoded, no
 
 class Feed:
     def __init__(
-        self, store: Store, decoded: Decoded, *, keep: int = 10_000, progress_s: float = 1.0
+        self,
+        store: Store,
+        decoded: Decoded,
+        *,
+        keep: int = 10_000,
+        keep_bytes: int | None = None,
+        progress_s: float = 1.0,
     ) -> None:
         self.store = store
         self.decoded = decoded
@@ -85,7 +91,7 @@ class Feed:
         # the ids of ``groups`` in order, kept as groups come and go: a list page starts at
         # its token's group without sorting 12,500 ids (3-6 ms a page at 100,000 ranks)
         self.order: SortedList[str] = SortedList()
-        self.log = EventLog(keep)
+        self.log = EventLog(keep, keep_bytes)
         self.progress = 0
         self.epoch = 0  # a new log (after a compaction): older positions mean nothing
         self.loaded: asyncio.Future[None] | None = None
@@ -190,9 +196,30 @@ class Feed:
             kind, shown = "DELETED", before
         else:
             return  # keys of no engine, before and after
-        role = self.decoded.record(shown[key], EngineRecord).role
+        role, model = self._selected(shown[key])
+        prior = self._selected(before[key]) if kind == "MODIFIED" and before is not None else None
+        weight = EVENT_BASE_BYTES + ENTRY_BYTES * (len(shown) + len(before or ()))
         args = (kind, revision, gid, shown, self.decoded, now)
-        self.log.append(GroupEvent(revision, gid, kind, role, _line, before, *args))
+        self.log.append(
+            GroupEvent(
+                revision,
+                gid,
+                kind,
+                role,
+                _line,
+                before,
+                *args,
+                model=model,
+                prior=prior,
+                weight=weight,
+            )
+        )
+
+    def _selected(self, entry: Entry) -> tuple[str, str | None]:
+        """What a watch's filter reads of an engine: its role and ``compat["model"]``."""
+        record = self.decoded.record(entry, EngineRecord)
+        model = record.compat.get("model")
+        return record.role, model if isinstance(model, str) else None
 
     # -- waiting -----------------------------------------------------------------------------
 

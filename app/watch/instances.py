@@ -16,7 +16,7 @@ from app.registry.records import Decoded, EngineRecord, ServingRecord, _engine_k
 from app.schemas import Engine
 from app.store import Store
 from app.watch.feed import Feed
-from app.watch.pages import encode_token, snapshot, views
+from app.watch.pages import encode_token, snapshot, taken, views
 
 
 def instance(engine: Engine) -> dict[str, Any]:
@@ -71,12 +71,13 @@ async def read_instances(
         record = decoded.record(engine_entry, EngineRecord)
         if _wanted(role, model, record, decoded.record(serving_entry, ServingRecord)):
             candidates.append(gid)
+    mine = taken(groups, candidates)  # before the awaits below: the feed's groups change
     found: list[dict[str, Any]] = []
     last = ""  # the last group this page consumed: the next page starts after it
     more = False
     for start in range(0, len(candidates), limit):
         for engine in await views(
-            store, decoded, groups, candidates[start : start + limit], revision
+            store, decoded, mine, candidates[start : start + limit], revision
         ):
             if engine.ready and engine.serving is not None:
                 if len(found) == limit:

@@ -16,12 +16,12 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 
-from app.errors import FieldProblem, InvalidRequest, RevisionCompacted
+from app.errors import FieldProblem, InvalidRequest, RevisionAhead, RevisionCompacted
 from app.registry.records import Decoded, EngineRecord, _engine_key
 from app.schemas import Engine
-from app.store import Store
+from app.store import Entry, Store
 from app.watch.feed import Feed, view
-from app.watch.history import Group
+from app.watch.history import Group, Selector
 
 
 def encode_token(revision: int, after: str, role: str | None) -> str:
@@ -46,11 +46,27 @@ def decode_token(token: str) -> tuple[int, str, str | None]:
     return revision, after, role
 
 
+async def refuse_ahead(store: Store, revision: int, what: str) -> None:
+    """Refuse a revision the store has not reached (a store restored from a backup, or a new
+    SQLite file under clients of the old one): a watch from it would get bookmarks forever,
+    a page would be labelled with it. A replica merely behind the store is not refused (its
+    feed catches up): the store's own revision decides."""
+    head = await store.revision()
+    if revision > head:
+        raise RevisionAhead(
+            f"The {what}'s revision {revision} is ahead of the store's ({head}): the store was "
+            "restored or replaced since that revision was read. List the groups again (GET "
+            "/tp-groups) and watch from the list's revision.",
+            store_revision=head,
+        )
+
+
 async def snapshot(
     feed: Feed, *, token: str | None, selector: str | None, timeout_s: float
 ) -> tuple[int, str, Mapping[str, Group]]:
     """The groups a page reads: (revision, the last group the previous page sent, groups as
-    of that revision). ``selector``: the filters of the first page, which its token carries."""
+    of that revision). ``selector``: the filters of the first page, which its token carries.
+    The groups are taken before any await of the caller: ``feed.groups`` itself changes."""
     after = ""
     if token is None:
         revision = await feed.caught_up(timeout_s)
@@ -63,6 +79,7 @@ async def snapshot(
                 fields=[FieldProblem(("continue",), "differs from the filters", "value_error")],
             )
         if revision > feed.progress:  # a page from a replica ahead of this one
+            await refuse_ahead(feed.store, revision, "continue token")
             await feed.caught_up(timeout_s)
     if revision < feed.log.oldest:
         raise RevisionCompacted(
@@ -91,14 +108,21 @@ async def leases_left(
     return remaining, time.time()
 
 
+def taken(groups: Mapping[str, Group], page: list[str]) -> dict[str, Group]:
+    """The page's groups as they are now, before the page awaits anything: ``groups`` may be
+    the feed's own, which a change replaces (or drops) while the page reads its leases."""
+    return {gid: groups[gid] for gid in page}
+
+
 async def views(
     store: Store, decoded: Decoded, groups: Mapping[str, Group], page: list[str], revision: int
 ) -> list[Engine]:
     """The page's groups as the API shows them, with their leases' time left as of now."""
-    remaining, now = await leases_left(store, groups, page)
+    mine = taken(groups, page)
+    remaining, now = await leases_left(store, mine, page)
     out: list[Engine] = []
     for gid in page:
-        engine = view(gid, live(groups[gid], remaining), revision, decoded, remaining, now)
+        engine = view(gid, live(mine[gid], remaining), revision, decoded, remaining, now)
         if engine is not None:
             out.append(engine)
     return out
@@ -112,6 +136,21 @@ def _after(feed: Feed, groups: Mapping[str, Group], after: str) -> Iterable[str]
     return sorted(g for g in groups if g > after)
 
 
+def token_selector(selector: Selector) -> str | None:
+    """The filters a continue token carries (a role alone as before ``model`` existed)."""
+    if selector.model is None:
+        return selector.role
+    return json.dumps([selector.role, selector.model], separators=(",", ":"))
+
+
+def passes(decoded: Decoded, entry: Entry, selector: Selector) -> bool:
+    if selector.empty:
+        return True
+    record = decoded.record(entry, EngineRecord)
+    model = record.compat.get("model")
+    return selector.passes(record.role, model if isinstance(model, str) else None)
+
+
 async def read_page(
     feed: Feed,
     store: Store,
@@ -119,31 +158,33 @@ async def read_page(
     *,
     limit: int | None,
     token: str | None,
-    role: str | None,
+    selector: Selector,
     timeout_s: float,
 ) -> bytes:
     """The page as the answer's JSON bytes: ``{"groups": [...], "revision", "continue"}``."""
-    revision, after, groups = await snapshot(feed, token=token, selector=role, timeout_s=timeout_s)
+    carried = token_selector(selector)
+    revision, after, groups = await snapshot(
+        feed, token=token, selector=carried, timeout_s=timeout_s
+    )
     page: list[str] = []
     more = False
     for gid in _after(feed, groups, after):
         engine_entry = groups[gid].get(_engine_key(gid))
-        if engine_entry is None:
-            continue
-        if role is not None and decoded.record(engine_entry, EngineRecord).role != role:
+        if engine_entry is None or not passes(decoded, engine_entry, selector):
             continue
         if limit is not None and len(page) >= limit:
             more = True
             break
         page.append(gid)
-    remaining, now = await leases_left(store, groups, page)
+    mine = taken(groups, page)
+    remaining, now = await leases_left(store, mine, page)
     parts = []
     for gid in page:
-        text = feed.rendered.json(gid, live(groups[gid], remaining), decoded, remaining, now)
+        text = feed.rendered.json(gid, live(mine[gid], remaining), decoded, remaining, now)
         if text is not None:
             parts.append(text)
-    feed.rendered.trim(groups)
-    follow = json.dumps(encode_token(revision, page[-1], role)) if more else "null"
+    feed.rendered.trim(feed.groups)
+    follow = json.dumps(encode_token(revision, page[-1], carried)) if more else "null"
     return b'{"groups":[%s],"revision":%d,"continue":%s}' % (
         b",".join(parts),
         revision,

@@ -23,6 +23,8 @@ from starlette.types import Receive, Scope, Send
 from app.errors import RevisionCompacted, TooManyWatchers
 from app.metrics import Metrics
 from app.watch.feed import Feed
+from app.watch.history import ANY, Selector
+from app.watch.pages import refuse_ahead
 
 MEDIA_TYPE = "application/x-ndjson"
 CHUNK_BYTES = 256 * 1024
@@ -37,6 +39,9 @@ DIRECT_BUFFER = 64 * 1024  # a connection holding more unsent bytes sends on its
 TRANSPORT = "engine_registry.transport"
 # A watch connection's kernel send buffer (Linux doubles it), not the few MB it may grow to.
 SNDBUF = 64 * 1024
+# A watch admitted (counted against REGISTRY_WATCH_MAX) whose response the server never started
+# (the request failed after the route) stops counting after this long.
+UNSENT_S = 30.0
 
 
 def error_line(revision: int, code: str, status: int, detail: str, **extras: Any) -> bytes:
@@ -66,15 +71,17 @@ class Watchers:
         self.bookmark_s = bookmark_s
         self.open: set[WatchStream] = set()
         self.draining = False
-        # The lines from a position to the log's end, per role filter: watchers that are
+        # The lines from a position to the log's end, per filter: watchers that are
         # caught up stand at the same position, so one join serves them all.
-        self._chunks: dict[tuple[int, str | None], tuple[bytes, bytes, int, int]] = {}
+        self._chunks: dict[tuple[int, Selector], tuple[bytes, bytes, int, int]] = {}
         self._chunks_end = -1
         self._monitor: asyncio.Task[None] | None = None
         self._broadcaster: asyncio.Task[None] | None = None
 
-    async def watch(self, after: int | None, role: str | None, timeout_s: float) -> WatchStream:
-        """A stream of the changes after revision ``after`` (None: from now)."""
+    async def watch(self, after: int | None, selector: Selector, timeout_s: float) -> WatchStream:
+        """A stream of the changes after revision ``after`` (None: from now) that pass
+        ``selector``. The stream counts against ``max_watchers`` from here on (admission and
+        count are one step), until it ends or, never started, the hub sweeps it."""
         if self.draining:
             raise TooManyWatchers("This replica is shutting down: watch another one.")
         if len(self.open) >= self.max_watchers:
@@ -82,27 +89,37 @@ class Watchers:
                 f"This replica serves {self.max_watchers} watches (REGISTRY_WATCH_MAX): watch "
                 "another replica, or retry later."
             )
-        await self.feed.ready(timeout_s)
-        log = self.feed.log
-        if after is None:
-            after = self.feed.progress
-        elif after < log.oldest:
-            raise RevisionCompacted(
-                f"revision {after} is older than the history this replica keeps (from "
-                f"revision {log.oldest}): list the groups again (GET /tp-groups answers the "
-                "revision to watch from) and watch from the list's revision.",
-                oldest_revision=log.oldest,
-            )
-        return WatchStream(self, after, role)
+        stream = WatchStream(self, selector)
+        self._added(stream)
+        try:
+            await self.feed.ready(timeout_s)
+            if after is not None and after > self.feed.progress:
+                await refuse_ahead(self.feed.store, after, "watch")
+            log = self.feed.log
+            if after is None:
+                after = self.feed.progress
+            elif after < log.oldest:
+                raise RevisionCompacted(
+                    f"revision {after} is older than the history this replica keeps (from "
+                    f"revision {log.oldest}): list the groups again (GET /tp-groups answers the "
+                    "revision to watch from) and watch from the list's revision.",
+                    oldest_revision=log.oldest,
+                )
+        except BaseException:
+            self._removed(stream)
+            raise
+        stream.start_at(after)
+        return stream
 
-    def chunk(self, start: int, role: str | None) -> tuple[bytes, bytes, int, int]:
-        """The lines of the events from ``start`` to the log's end that pass ``role``: the
-        bytes, the same as one HTTP chunk, how many, and the last event's revision."""
+    def chunk(self, start: int, selector: Selector) -> tuple[bytes, bytes, int, int]:
+        """The lines of the events from ``start`` to the log's end for watchers filtered by
+        ``selector``: the bytes, the same as one HTTP chunk, how many, and the last event's
+        revision."""
         log = self.feed.log
         if self._chunks_end != log.end:
             self._chunks.clear()
             self._chunks_end = log.end
-        hit = self._chunks.get((start, role))
+        hit = self._chunks.get((start, selector))
         if hit is None:
             parts: list[bytes] = []
             last = 0
@@ -110,11 +127,11 @@ class Watchers:
                 event = log.at(position)
                 assert event is not None
                 last = event.revision
-                if role is None or event.role == role:
-                    parts.append(event.line)
+                if (line := event.line_for(selector)) is not None:
+                    parts.append(line)
             data = b"".join(parts)
             framed = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
-            hit = self._chunks[(start, role)] = (data, framed, len(parts), last)
+            hit = self._chunks[(start, selector)] = (data, framed, len(parts), last)
         return hit
 
     def drain(self) -> None:
@@ -150,7 +167,7 @@ class Watchers:
     async def _broadcast(self) -> None:
         """While any stream is open: at each progress of the feed (at most one pass per
         ``LINGER_S``), write the new lines straight to every stream that is caught up and
-        whose connection keeps up (one shared chunk per role, no task woken per stream);
+        whose connection keeps up (one shared chunk per filter, no task woken per stream);
         wake the others, which send on their own (``WatchStream._pump``)."""
         loop = asyncio.get_running_loop()
         last = 0.0
@@ -183,7 +200,12 @@ class Watchers:
         log = self.feed.log
         while self.open:
             await asyncio.sleep(0.1)
+            now = asyncio.get_running_loop().time()
             for stream in list(self.open):
+                if not stream.called:  # admitted, never sent: its request went away
+                    if now - stream.admitted_at > UNSENT_S:
+                        self._removed(stream)
+                    continue
                 if stream.ended:
                     continue
                 if stream.epoch != self.feed.epoch or stream.position < log.offset:
@@ -207,7 +229,7 @@ class Watchers:
 class WatchStream(Response):
     media_type = MEDIA_TYPE
 
-    def __init__(self, hub: Watchers, after: int, role: str | None) -> None:
+    def __init__(self, hub: Watchers, selector: Selector = ANY) -> None:
         super().__init__(
             None,
             headers={
@@ -219,13 +241,10 @@ class WatchStream(Response):
         )
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.hub = hub
-        self.role = role
-        feed = hub.feed
-        self.epoch = feed.epoch
-        self.revision = after  # every change up to here was sent (or skipped)
-        self.position = feed.log.after(min(after, feed.progress))
-        self._skip_until = after
-        self.base = feed.log.end  # what came before it subscribed is not on its budget
+        self.selector = selector
+        self.admitted_at = asyncio.get_running_loop().time()
+        self.called = False  # the server started sending it
+        self.start_at(hub.feed.progress)
         self.final: bytes | None = None
         self._cut: asyncio.Future[None] | None = None
         self.ended = False
@@ -233,6 +252,15 @@ class WatchStream(Response):
         self.transport: asyncio.Transport | None = None
         self.live = False  # caught up and idle: the hub writes its lines directly
         self.last_write = 0.0
+
+    def start_at(self, after: int) -> None:
+        """Send the changes after revision ``after`` (the feed's, or a later one it skips to)."""
+        feed = self.hub.feed
+        self.epoch = feed.epoch
+        self.revision = after  # every change up to here was sent (or skipped)
+        self.position = feed.log.after(min(after, feed.progress))
+        self._skip_until = after
+        self.base = feed.log.end  # what came before it subscribed is not on its budget
 
     def compacted_line(self) -> bytes:
         log = self.hub.feed.log
@@ -279,7 +307,7 @@ class WatchStream(Response):
             return 0
         if first.revision <= self._skip_until or log.end - self.position > SHARED_EVENTS:
             return None
-        _, framed, count, last = self.hub.chunk(self.position, self.role)
+        _, framed, count, last = self.hub.chunk(self.position, self.selector)
         self.position = log.end
         self.revision = max(self.revision, last, feed.progress)
         if framed:
@@ -296,7 +324,7 @@ class WatchStream(Response):
             and first.revision > self._skip_until
             and log.end - self.position <= SHARED_EVENTS
         ):
-            data, _, count, last = self.hub.chunk(self.position, self.role)
+            data, _, count, last = self.hub.chunk(self.position, self.selector)
             self.position = log.end
             self.revision = max(self.revision, last, feed.progress)
             return data, count
@@ -309,9 +337,9 @@ class WatchStream(Response):
             if event.revision <= self._skip_until:
                 continue  # asked from a revision this replica had not reached yet
             self.revision = max(self.revision, event.revision)
-            if self.role is None or event.role == self.role:
-                parts.append(event.line)
-                size += len(event.line)
+            if (line := event.line_for(self.selector)) is not None:
+                parts.append(line)
+                size += len(line)
                 sent += 1
         self.revision = max(self.revision, feed.progress)
         return b"".join(parts), sent
@@ -357,6 +385,7 @@ class WatchStream(Response):
                 self.live = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.called = True
         self.hub._added(self)
         transport: asyncio.Transport | None = scope.get("extensions", {}).get(TRANSPORT)
         if transport is not None and (sock := transport.get_extra_info("socket")) is not None:

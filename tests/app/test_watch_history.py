@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 
 from app.store import Entry
-from app.watch.history import EventLog, Group, GroupEvent
+from app.watch.history import EventLog, Group, GroupEvent, Selector
 from app.watch.pages import decode_token, encode_token
 
 pytestmark = pytest.mark.unit
+
+ENTRY = Entry("groups/g/engine", b"{}", 1, None)
 
 
 def event(revision: int, gid: str, before: Group | None = None, size: int = 10) -> GroupEvent:
@@ -100,3 +102,50 @@ def test_continue_tokens_round_trip_and_refuse_what_the_registry_did_not_give() 
     for bad in ("", "not-a-token", encode_token(1, "a", None)[:-3] + "!!!"):
         with pytest.raises(Exception, match="continue token"):
             decode_token(bad)
+
+
+def weighed(revision: int, weight: int) -> GroupEvent:
+    return GroupEvent(revision, "g", "MODIFIED", "prefill", b"z", None, weight=weight)
+
+
+def test_the_log_is_bounded_by_its_events_weight_keeping_the_newest_revision_whole() -> None:
+    log = EventLog(keep=1_000, max_bytes=10_000)
+    for revision in range(1, 101):  # 100 changes of 1,000 bytes: ten times the bound
+        log.append(weighed(revision, 1_000))
+        assert log.weight <= 10_000
+    assert log.weight == sum(e.weight for e in log.events)
+    assert log.oldest == log.events[0].revision - 1
+    assert log.events[-1].revision == 100
+    # One change heavier than the whole bound stays (a watcher must still get it), alone.
+    log.append(weighed(101, 50_000))
+    assert [e.revision for e in log.events] == [101]
+    assert log.oldest == 100
+
+
+def modified(role: str, model: str | None, prior: tuple[str, str | None]) -> GroupEvent:
+    def line(kind: str, revision: int, gid: str, group: object) -> bytes:
+        return b'{"type":"%s","revision":%d,"object":"%s"}' % (
+            kind.encode(),
+            revision,
+            str(sorted(group)).encode(),  # type: ignore[call-overload]
+        )
+
+    after, before = {"now": ENTRY}, {"then": ENTRY}
+    return GroupEvent(
+        7, "g", "MODIFIED", role, line, before, "MODIFIED", 7, "g", after, model=model, prior=prior
+    )
+
+
+def test_a_filtered_watcher_sees_a_group_enter_as_added_and_leave_as_deleted() -> None:
+    moved = modified("decode", "m", prior=("prefill", "m"))
+    assert (
+        moved.line_for(Selector(role="decode"))
+        == b'{"type":"ADDED","revision":7,"object":"[\'now\']"}'
+    )
+    assert moved.line_for(Selector(role="prefill")) == (
+        b'{"type":"DELETED","revision":7,"object":"[\'then\']"}'
+    )
+    assert moved.line_for(Selector(role="both")) is None
+    assert moved.line_for(Selector(model="m")) == moved.line  # in before and after
+    assert moved.line_for(Selector()) == moved.line
+    assert moved.line.startswith(b'{"type":"MODIFIED"')

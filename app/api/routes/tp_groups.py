@@ -23,6 +23,7 @@ from app.schemas import (
     Role,
     ServingRequest,
 )
+from app.watch.history import Selector
 from app.watch.pages import read_page
 from app.watch.stream import Watchers
 
@@ -53,17 +54,26 @@ async def list_groups(
         Query(alias="continue", max_length=512, description="The previous page's `continue`."),
     ] = None,
     role: Annotated[Role | None, Query(description="Only groups of this role.")] = None,
+    model: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=512,
+            description='Only groups whose `compat["model"]` is this (exactly).',
+        ),
+    ] = None,
 ) -> Response:
     watchers: Watchers = request.app.state.watchers
+    selector = Selector(role, model)
     if watch:
-        return await watchers.watch(revision, role, request.app.state.store_timeout_s)
+        return await watchers.watch(revision, selector, request.app.state.store_timeout_s)
     body = await read_page(
         watchers.feed,
         registry.store,
         registry.decoded,
         limit=limit,
         token=continue_,
-        role=role,
+        selector=selector,
         timeout_s=request.app.state.store_timeout_s,
     )
     return Response(body, media_type="application/json")

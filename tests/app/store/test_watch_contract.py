@@ -2,7 +2,8 @@
 each store: SQLite, etcd, and etcd over TLS with client certificates and auth. A list answers
 its revision and pages one snapshot; a watch from a revision streams every change type in
 order, bookmarks while quiet, 410 past the kept history (and a relist recovers); filters and
-roles apply."""
+roles apply, a group leaving or entering a filter is sent as DELETED or ADDED; a revision ahead
+of the store answers 410 revision_ahead."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.watch.pages import encode_token
 from tests.app.store.conftest import shared_etcd, shared_secure_etcd
 from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.faults import agent_body, open_body
@@ -279,3 +281,58 @@ def test_watch_parameters_are_checked(reader: httpx.Client) -> None:
         resp = reader.get("/tp-groups", params=params)
         assert resp.status_code == 422, (params, resp.text)
         assert resp.json()["code"] == "invalid_request"
+
+
+def open_with(c: httpx.Client, group: str, role: str, model: str) -> dict[str, Any]:
+    body = open_body(role=role) | {"compat": {"model": model}}
+    resp = c.put(f"/tp-groups/{group}/engine", json=body)
+    assert resp.status_code in (200, 201), resp.text
+    engine: dict[str, Any] = resp.json()
+    return engine
+
+
+def test_a_filtered_watch_sees_a_group_leave_its_filter_as_deleted_and_enter_it_as_added(
+    admin: httpx.Client,
+) -> None:
+    group, model = gid("move"), f"m-{uuid.uuid4().hex[:6]}"
+    start = listed(admin)["revision"]
+    by_role = WatchLines(admin, {"revision": start, "role": "prefill"})
+    by_model = WatchLines(admin, {"revision": start, "model": model})
+    with by_role, by_model:
+        first = open_with(admin, group, "prefill", model)
+        second = open_with(admin, group, "decode", model)  # leaves role=prefill
+        third = open_with(admin, group, "prefill", "other")  # back in; leaves model=
+        fourth = open_with(admin, group, "prefill", model)  # enters model= again
+        roles = [(x["type"], x["object"]["engine_id"]) for x in by_role.changes(4)]
+        models = [(x["type"], x["object"]["engine_id"]) for x in by_model.changes(4)]
+    # What left the filter is sent as it was, the last time the filter passed it.
+    assert roles == [
+        ("ADDED", first["engine_id"]),
+        ("DELETED", first["engine_id"]),
+        ("ADDED", third["engine_id"]),
+        ("MODIFIED", fourth["engine_id"]),
+    ]
+    assert models == [
+        ("ADDED", first["engine_id"]),
+        ("MODIFIED", second["engine_id"]),
+        ("DELETED", second["engine_id"]),
+        ("ADDED", fourth["engine_id"]),
+    ]
+    names, _, _ = walk(admin, 1, model=model)
+    assert names == [group]
+    assert walk(admin, 1, model=model, role="decode")[0] == []
+
+
+def test_a_revision_ahead_of_the_store_is_refused_so_the_client_lists_again(
+    reader: httpx.Client,
+) -> None:
+    head = listed(reader)["revision"]
+    resp = reader.get("/tp-groups", params={"watch": "true", "revision": head + 1_000_000})
+    assert resp.status_code == 410, resp.text
+    problem = resp.json()
+    assert problem["code"] == "revision_ahead"
+    assert problem["store_revision"] >= head
+    token = encode_token(head + 1_000_000, "", None)
+    resp = reader.get("/tp-groups", params={"limit": 1, "continue": token})
+    assert resp.status_code == 410, resp.text
+    assert resp.json()["code"] == "revision_ahead"
