@@ -36,6 +36,11 @@ MARK = "engine-registry: releasing remote engine"
 # to 2 s, jittered) for this long.
 RETRY_FOR_S = 30.0
 RETRY_BASE_S, RETRY_CAP_S = 0.1, 2.0
+# A handshake can read an engine newer than what the watch has said yet (the watch lags by
+# a few ms): an engine followed less than this long ago is not released as deleted or not
+# ready until then (judged on the watch's word at that time), and a word about an older
+# generation than the handshake's is the watch catching up, never a verdict.
+SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,10 @@ class Follower:
         self._lock = threading.Lock()
         self._followed: dict[str, Followed] = {}  # by the registry's engine id
         self._groups: dict[str, Engine | None] = {}  # as the watch last said them
-        self._pending: dict[str, float] = {}  # engine ids vLLM did not hold yet: give up at
+        # engine id -> (next check at, give up at): vLLM did not hold it yet, or the watch's
+        # word was older than its handshake
+        self._pending: dict[str, tuple[float, float]] = {}
+        self._since: dict[str, float] = {}  # engine id -> when it was followed
         self._feed: NodeFeed | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -119,6 +127,7 @@ class Follower:
                 threading.Thread(
                     target=self._retry, name="engine-registry-release", daemon=True
                 ).start()
+            self._since[planned.engine_id] = time.monotonic()
             known = planned.group_id in self._groups
             engine = self._groups.get(planned.group_id)
         if known:
@@ -146,19 +155,24 @@ class Follower:
             self._check(followed, engine)
 
     def _check(self, followed: Followed, engine: Engine | None) -> bool:
-        """Release ``followed`` if ``engine`` (its group now) says so; False when vLLM did
-        not hold it yet (the retry loop tries again)."""
+        """Release ``followed`` if ``engine`` (its group now) says so; False when put off (the
+        retry loop judges it again): vLLM did not hold it yet, or the word may be older
+        than the handshake (`SETTLE_S`)."""
         verdict = stale_cause(followed, engine)
-        if verdict is None:
-            return True
+        if verdict is None or (engine is not None and engine.generation < followed.generation):
+            return True  # current, or the watch has not reached the handshake's engine yet
         kind, why = verdict
+        now = time.monotonic()
+        settled_at = self._since.get(followed.engine_id, 0.0) + SETTLE_S
+        if kind != "superseded" and now < settled_at:
+            self._put_off(followed.engine_id, settled_at)
+            return False
         if not self._release(followed.vllm_engine_id):
-            with self._lock:
-                self._pending.setdefault(followed.engine_id, time.monotonic() + RETRY_FOR_S)
-            self._wake.set()
+            self._put_off(followed.engine_id, now + RETRY_BASE_S)
             return False
         with self._lock:
             self._followed.pop(followed.engine_id, None)
+            self._since.pop(followed.engine_id, None)
         log.warning(
             "%s %s (group %r, generation %d): %s; vLLM frees its NIXL state at its next "
             "engine step once no read is in flight",
@@ -171,34 +185,42 @@ class Follower:
         self._on_release(followed, kind, why)
         return True
 
+    def _put_off(self, engine_id: str, at: float) -> None:
+        with self._lock:
+            self._pending.setdefault(engine_id, (at, at + RETRY_FOR_S))
+        self._wake.set()
+
     def _retry(self) -> None:
-        """One loop for every release vLLM was not ready for, on the group's latest word."""
+        """One loop for every release vLLM was not ready for and every judgement put off,
+        each on its group's latest word."""
         backoff = Backoff(base_s=RETRY_BASE_S, cap_s=RETRY_CAP_S)
         while not self._stop.is_set():
             with self._lock:
-                waiting = bool(self._pending)
-            if not waiting:
+                next_at = min((at for at, _ in self._pending.values()), default=None)
+            if next_at is None:
                 backoff.reset()
                 self._wake.wait(RETRY_FOR_S)
                 self._wake.clear()
                 continue
-            self._stop.wait(backoff.next())
+            if (wait := next_at - time.monotonic()) > 0:
+                self._wake.wait(wait)
+                self._wake.clear()
+                continue
+            now = time.monotonic()
             with self._lock:
-                todo = [
-                    (engine_id, until, self._followed.get(engine_id))
-                    for engine_id, until in self._pending.items()
-                ]
-                self._pending.clear()
-            for engine_id, until, followed in todo:
-                if followed is None:
-                    continue  # released meanwhile
+                due = [(eid, until) for eid, (at, until) in self._pending.items() if at <= now]
+                for engine_id, _ in due:
+                    del self._pending[engine_id]
+            retry_at = now + backoff.next()
+            for engine_id, until in due:
                 with self._lock:
-                    engine = self._groups.get(followed.group_id)
-                if self._check(followed, engine):
-                    continue  # released, or current again
-                with self._lock:  # `_check` put it back: with its first deadline
+                    followed = self._followed.get(engine_id)
+                    engine = self._groups.get(followed.group_id) if followed else None
+                if followed is None or self._check(followed, engine):
+                    continue  # released meanwhile, released now, or current
+                with self._lock:  # `_check` put it off again: at the next pause
                     if time.monotonic() < until:
-                        self._pending[engine_id] = until
+                        self._pending[engine_id] = (retry_at, until)
                         continue
                     self._pending.pop(engine_id, None)
                 log.info(
