@@ -18,7 +18,17 @@ from typing import Any
 from bench.common import RESULTS, machine, say, wait_quiet, write_result
 from bench.report import markdown
 
-QUESTIONS = ("lean", "storm", "lookups", "handshake", "transfer", "soak", "watch", "fleet")
+QUESTIONS = (
+    "lean",
+    "storm",
+    "lookups",
+    "handshake",
+    "transfer",
+    "soak",
+    "watch",
+    "fleet",
+    "feed_lag",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

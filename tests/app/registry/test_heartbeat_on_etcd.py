@@ -16,7 +16,7 @@ from app.errors import NotFound
 from app.schemas import OpenEngineRequest, RegisterAgentsRequest
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import agent_body, open_body
-from tests.support.feeds import registry_with_feed, shows
+from tests.support.feeds import registry_with_feed
 from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.store
@@ -127,7 +127,7 @@ def test_a_feed_left_behind_sends_the_heartbeat_to_the_range_read(etcd: EtcdClus
                 "g", RegisterAgentsRequest.model_validate({"agents": items}), None
             )
             assert await feed.reached(await store.revision(), 5.0)
-            await shows(feed, "g", 3)  # the engine and both agents
+            assert len(feed.groups["g"]) == 3  # the engine and both agents
             assert (await registry.renew_agents("g", eid, [0, 1]))[0][0] == 0
             await feed.close()  # what it shows now it shows for ever
             await registry.deregister("g", 0, eid)

@@ -16,7 +16,7 @@ from app.registry import Registry
 from app.schemas import OpenEngineRequest
 from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import open_body
-from tests.support.feeds import registry_with_feed, shows
+from tests.support.feeds import registry_with_feed
 
 pytestmark = pytest.mark.store
 
@@ -43,8 +43,8 @@ def test_opens_and_relaunches_the_feed_shows_read_nothing_from_etcd(etcd: EtcdCl
             first = [await registry.open_engine(f"g{i}", launch()) for i in range(GROUPS)]
             opened = ranges() - before
             assert all(created and e.generation == 1 for e, created in first)
-            for i in range(GROUPS):
-                await shows(feed, f"g{i}", 1)  # each engine's key
+            assert await feed.reached(await store.revision(), 5.0)
+            assert all(f"g{i}" in feed.groups for i in range(GROUPS))  # each engine's key
             before = ranges()
             again = [await registry.open_engine(f"g{i}", launch()) for i in range(GROUPS)]
             relaunched = ranges() - before
@@ -77,7 +77,8 @@ def test_a_feed_held_behind_gives_the_answers_a_read_of_etcd_gives(
             async with registry_with_feed(one) as (registry, feed):
                 l1, l2, l3 = (uuid.uuid4().hex for _ in range(3))
                 first, _ = await registry.open_engine("g", launch(l1))
-                await shows(feed, "g", 1)
+                assert await feed.reached(await one.revision(), 5.0)
+                assert "groups/g/engine" in feed.groups["g"]
                 monkeypatch.setattr(feed, "_apply", lambda batch: None)
                 second, created = await other.open_engine("g", launch(l2))
                 assert (created, second.generation) == (True, 2)
