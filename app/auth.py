@@ -8,20 +8,31 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import os
 import stat
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.credentials import (
+    ACTOR,
+    ROLES,
+    Credential,
+    RoleName,
+    TokenFileError,
+    Tokens,
+    digest_of,
+    inline_tokens,
+    parse_tokens,
+)
+from app.credentials import Scope as CredentialScope
 from app.errors import Forbidden, RegistryError, Unauthorized
 from app.problems import send_problem
 
-RoleName = Literal["reader", "worker", "admin"]
-ROLES: dict[str, int] = {"reader": 0, "worker": 1, "admin": 2}
-Tokens = dict[str, RoleName]
+__all__ = ["TokenFileError", "Tokens", "inline_tokens", "parse_tokens"]
+
+CREDENTIAL = "credential"  # scope["state"]: the request's Credential, once authenticated
 
 PUBLIC_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
@@ -41,34 +52,6 @@ def basic_password(value: str) -> str:
     except (binascii.Error, UnicodeDecodeError):
         return ""
     return decoded.partition(":")[2]
-
-
-class TokenFileError(ValueError):
-    pass
-
-
-def parse_tokens(text: str, *, source: str) -> Tokens:
-    """``role:token`` a line, ``#`` comments. Errors name the line, never the token."""
-    tokens: Tokens = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        role, sep, token = line.partition(":")
-        role, token = role.strip(), token.strip()
-        if not sep or role not in ROLES or not token:
-            raise TokenFileError(
-                f"{source} line {number}: expected 'role:token' with role reader, worker or admin"
-            )
-        if len(token) < 16:
-            raise TokenFileError(f"{source} line {number}: token shorter than 16 characters")
-        tokens[token] = role  # type: ignore[assignment]
-    return tokens
-
-
-def inline_tokens(text: str) -> Tokens:
-    """``REGISTRY_TOKENS``: ``role:token`` pairs separated by commas."""
-    return parse_tokens(text.replace(",", "\n"), source="REGISTRY_TOKENS")
 
 
 TOKENS_FILE_BYTES = 1024 * 1024
@@ -113,14 +96,56 @@ def required_role(method: str, path: str) -> RoleName | None:
     return "worker"
 
 
+def credential_of(tokens: Tokens, presented: str) -> Credential | None:
+    """One sha256 and one dictionary lookup, whatever the number of tokens: the digest an
+    attacker could time is of their own guess, never of a token in force."""
+    return tokens.get(digest_of(presented)) if presented else None
+
+
 def role_of(tokens: Tokens, presented: str) -> RoleName | None:
-    """Compare against every token in constant time (no early exit on a match)."""
-    found: RoleName | None = None
-    candidate = presented.encode()
-    for token, role in tokens.items():
-        if hmac.compare_digest(token.encode(), candidate):
-            found = role
-    return found
+    credential = credential_of(tokens, presented)
+    return None if credential is None else credential.role
+
+
+class OutOfScope(Forbidden):
+    code = "out_of_scope"
+    title = "Outside this token's scope"
+
+
+def out_of_scope(credential: Credential, group_id: str, what: str) -> OutOfScope:
+    return OutOfScope(
+        f"The token {credential.name!r} may write only the groups {credential.scope} "
+        f"(its groups= in the tokens file); {what} {group_id!r} is outside them. Use the "
+        "token of the node that runs this group, or widen the token's groups=.",
+        token_name=credential.name,
+        scope=list(credential.scope.patterns) if credential.scope else None,
+        group_id=group_id,
+    )
+
+
+def _path_scope(credential: Credential, allowed: CredentialScope, path: str) -> OutOfScope | None:
+    """A write under ``/tp-groups/{id}``: the id must be in the token's scope."""
+    if path.startswith("/tp-groups/"):
+        group_id = path[11:].partition("/")[0]
+        if not allowed.allows(group_id):
+            return out_of_scope(credential, group_id, "the group")
+    return None
+
+
+def check_scope(scope: Scope, group_id: str, what: str = "group") -> None:
+    """A handler's check of a group named in a body (the handshake's ``decode``): raises
+    ``OutOfScope`` when the request's token is scoped and ``group_id`` is outside it."""
+    credential = scope.get("state", {}).get(CREDENTIAL)
+    if credential is None or credential.scope is None or credential.scope.allows(group_id):
+        return
+    raise out_of_scope(credential, group_id, what)
+
+
+def acting(scope: Scope) -> None:
+    """The request's token name, for the events it causes (``ACTOR``)."""
+    credential = scope.get("state", {}).get(CREDENTIAL)
+    if credential is not None:
+        ACTOR.set(credential.name)
 
 
 class TokensHolder(Protocol):
@@ -147,6 +172,7 @@ class AuthMiddleware:
             return
         error = self.verdict(scope, tokens, needed)
         if error is None:
+            acting(scope)
             await self.app(scope, receive, send)
             return
         headers = [(b"www-authenticate", b'Bearer realm="engine-registry"')]
@@ -156,26 +182,32 @@ class AuthMiddleware:
 
     @staticmethod
     def verdict(scope: Scope, tokens: Tokens, needed: RoleName) -> RegistryError | None:
-        """None when the request's credentials hold role ``needed`` (the role is then in
-        ``scope["state"]``); else the refusal."""
+        """None when the request's credentials hold role ``needed`` and, for a scoped
+        worker token's write to ``/tp-groups/{id}/…``, the group is in its scope (the role
+        and the ``Credential`` are then in ``scope["state"]``); else the refusal."""
         error: RegistryError | None = None
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, presented = header.partition(" ")
         scheme = scheme.lower()
         if scheme == "basic" and scope["method"] in BASIC_METHODS:
             scheme, presented = "bearer", basic_password(presented)
-        role = role_of(tokens, presented.strip()) if scheme == "bearer" else None
-        if role is None:
+        credential = credential_of(tokens, presented.strip()) if scheme == "bearer" else None
+        if credential is None:
             error = Unauthorized(
                 "A valid bearer token is required: send 'Authorization: Bearer <token>' with a "
                 "token from the registry's tokens file."
                 if header
                 else "No credentials: send 'Authorization: Bearer <token>'."
             )
-        elif ROLES[role] < ROLES[needed]:
+        elif ROLES[credential.role] < ROLES[needed]:
             error = Forbidden(
-                f"This token's role is {role}; {scope['method']} {scope['path']} needs {needed}."
+                f"This token's role is {credential.role}; {scope['method']} {scope['path']} "
+                f"needs {needed}."
             )
+        elif needed == "worker" and credential.scope is not None:
+            error = _path_scope(credential, credential.scope, scope["path"])
         if error is None:
-            scope.setdefault("state", {})["role"] = role
+            state = scope.setdefault("state", {})
+            state["role"] = credential.role  # type: ignore[union-attr]
+            state[CREDENTIAL] = credential
         return error

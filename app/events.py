@@ -19,6 +19,9 @@ the store's trim keeps the newest ``keep // 2`` handshakes and lease expiries wh
 refusals did. Each event is at most ``EVENT_BYTES`` of JSON (``app.budgets``); an event the
 store still refuses for its size is dropped and counted, never sent again.
 
+An event a request caused names the request's token in ``fields.token``: the name the tokens
+file gives it (``name=``), never the token (a folded event names its first request's).
+
 Ids sort by time: ``{unix_ms:013d}-{replica:8 hex}-{sequence:06d}``.
 """
 
@@ -37,6 +40,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from app.budgets import LIST_ITEMS, bounded_event
+from app.credentials import ACTOR
 from app.errors import InvalidRequest, RegistryError
 from app.metrics import Metrics
 from app.store import Delete, Entry, Put, Store, TooLarge, Unavailable
@@ -133,6 +137,8 @@ class EventLog:
 
     def _new(self, kind: Kind, group_id: str, detail: str, fields: dict[str, Any]) -> Event:
         now = time.time()
+        if (actor := ACTOR.get()) is not None:  # the name of the token whose request it was
+            fields = {**fields, "token": actor}
         detail, fields = bounded_event(detail, fields)
         return Event(
             id=f"{int(now * 1000):013d}-{self.replica}-{next(self._seq) % 1_000_000:06d}",

@@ -14,6 +14,9 @@ A file that does not parse, cannot be read, or has no token at all keeps the pre
 in force; the error log names the file and the line (never a token). Each accepted reload
 is a new *generation*: its number, when it was loaded and the sha256 of the file's bytes are
 shown to admins at ``GET /admin/tokens`` (and by ``engine-registry status``).
+
+A token a reload drops is revoked: new requests get 401, and the watch streams it opened
+(``hold``) end at once with a final ``ERROR`` line, code ``unauthorized``.
 """
 
 from __future__ import annotations
@@ -26,17 +29,21 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from app.auth import TokenFileError, Tokens, inline_tokens, parse_tokens, read_tokens_file
+from app.credentials import Credential
 from app.periodic import every
+from app.watch.stream import error_line
 
 log = logging.getLogger("app")
 
@@ -44,6 +51,14 @@ CHECK_INTERVAL_S = 1.0
 SETTLE_S = 1.0  # a file modified this recently may be half written: not read on SIGHUP
 FileId = tuple[int, int, int]  # inode, size, mtime in ns
 _UNSEEN: FileId = (-1, -1, -1)
+
+
+class Held(Protocol):
+    """What a token holds open (a watch stream, app/watch/stream.py): ended on revocation."""
+
+    revision: int
+
+    def finish(self, line: bytes, *, slow: bool = False) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,7 @@ class TokenSource:
         self.tokens: Tokens = self.generation.tokens
         self._pending: FileId | None = _UNSEEN  # a change seen once, reloaded if it holds
         self._failed: FileId | None = _UNSEEN  # the file as it was when a reload failed
+        self._held: weakref.WeakKeyDictionary[Held, Credential] = weakref.WeakKeyDictionary()
 
     def _load(self, number: int) -> TokenGeneration:
         tokens: Tokens = {}
@@ -115,6 +131,7 @@ class TokenSource:
         self.generation = new
         self.tokens = new.tokens
         self._pending = _UNSEEN
+        self.revoke()
         log.info(
             "tokens file reloaded",
             extra={
@@ -158,7 +175,39 @@ class TokenSource:
             self._pending = seen
 
     def counts(self) -> dict[str, int]:
-        return dict(Counter(self.tokens.values()))
+        return dict(Counter(credential.role for credential in self.tokens.values()))
+
+    def hold(self, stream: Held, credential: Credential | None) -> None:
+        """``stream`` (a watch) was opened with ``credential``: a reload that drops the
+        token ends it (``revoke``). Held weakly: an ended stream is forgotten with it."""
+        if credential is not None:
+            self._held[stream] = credential
+
+    def revoke(self) -> int:
+        """End every held stream whose token is no longer in force, with a final ``ERROR``
+        line (``unauthorized``); how many."""
+        ended = 0
+        for stream, credential in list(self._held.items()):
+            if credential.digest in self.tokens:
+                continue
+            del self._held[stream]
+            stream.finish(
+                error_line(
+                    stream.revision,
+                    "unauthorized",
+                    401,
+                    f"The token {credential.name!r} that opened this stream was removed from "
+                    f"the tokens file (generation {self.generation.number}): watch again from "
+                    "this revision with a token in force.",
+                )
+            )
+            ended += 1
+        if ended:
+            log.info(
+                "watch streams of removed tokens ended",
+                extra={"streams": ended, "generation": self.generation.number},
+            )
+        return ended
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.auth import check_scope
 from app.errors import RegistryError, at_edge
 from app.jsonbody import M, parse, validate_json
 from app.middleware import replay
@@ -234,6 +235,8 @@ class FastPath:
         if not 1 <= len(engine_id) <= 128:
             raise Fallback
         body = _body(HandshakeRequest, raw)
+        if body.decode is not None:
+            check_scope(scope, body.decode.group_id, "the decode group")
         return 200, await self._registry(scope).handshake(engine_id, body)
 
 

@@ -45,7 +45,7 @@ from app.api.fastpath import (
     read_body,
     replayed,
 )
-from app.auth import AuthMiddleware, required_role
+from app.auth import AuthMiddleware, acting, required_role
 from app.errors import HttpProblem, RegistryError, at_edge
 from app.middleware import ObserveMiddleware, request_id_of
 from app.problems import problem_answer
@@ -124,6 +124,7 @@ class HotPath:
         handler, route, segments = taken
         scope["app"] = self.app
         request_id = request_id_of(scope)
+        acting(scope)  # in this request's task: the events it causes name its token
         try:
             result = await handler(scope, segments, raw)
         except Fallback:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from app.api.deps import EngineIdPath, RegistryDep, answer
+from app.auth import check_scope
 from app.jsonbody import LimitedJsonRoute
 from app.schemas import Engine, Handshake, HandshakeRequest
 
@@ -22,6 +23,8 @@ async def resolve(engine_id: EngineIdPath, registry: RegistryDep) -> Response:
     summary="What a decode rank must load from this prefill engine",
 )
 async def handshake(
-    engine_id: EngineIdPath, body: HandshakeRequest, registry: RegistryDep
+    engine_id: EngineIdPath, body: HandshakeRequest, registry: RegistryDep, request: Request
 ) -> Response:
+    if body.decode is not None:
+        check_scope(request.scope, body.decode.group_id, "the decode group")
     return answer(await registry.handshake(engine_id, body))

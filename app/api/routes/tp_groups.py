@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 
 from app.api.deps import GroupIdPath, RankPath, RegistryDep, answer, refuse_oversized_body
+from app.auth import CREDENTIAL
 from app.jsonbody import LimitedJsonRoute
 from app.schemas import (
     Agent,
@@ -66,7 +67,9 @@ async def list_groups(
     watchers: Watchers = request.app.state.watchers
     selector = Selector(role, model)
     if watch:
-        return await watchers.watch(revision, selector, request.app.state.store_timeout_s)
+        stream = await watchers.watch(revision, selector, request.app.state.store_timeout_s)
+        request.app.state.tokens.hold(stream, request.scope.get("state", {}).get(CREDENTIAL))
+        return stream
     body = await read_page(
         watchers.feed,
         registry.store,
