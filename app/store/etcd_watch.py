@@ -52,6 +52,7 @@ QUEUE_LIMIT = 64
 # How long an answer to a progress request waits for the stream's events to reach its
 # revision before a fence is written to prove it.
 FENCE_GRACE_S = 0.05
+PROGRESS_REQUEST = rpc.WatchRequest(progress_request=rpc.WatchProgressRequest())
 
 
 class _Note:
@@ -155,7 +156,7 @@ async def follow(
 
     stream = await call("watch", open_stream)
     inbox = inbox or Inbox(QUEUE_LIMIT)
-    ask = rpc.WatchRequest(progress_request=rpc.WatchProgressRequest())
+    ask = PROGRESS_REQUEST
     put_fence = rpc.PutRequest(key=fence, value=b"")
 
     async def pump() -> None:

@@ -172,3 +172,34 @@ def test_the_fence_key_sorts_just_before_the_prefix() -> None:
     assert b"/registry/groups." < b"/registry/groups/" < b"/registry/groups/a"
     with pytest.raises(ValueError, match="last byte"):
         fence_key(b"")
+
+
+def test_a_progress_request_never_answered_is_followed_by_a_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """etcd 3.4.25-3.4.30 and 3.5.8-3.5.12 answer no progress request on a new watch until an
+    event comes (etcd issue 17507): a quiet stream must still report progress, not fail.
+    Here the request is one etcd ignores (a watch request of no kind)."""
+    from aetcd import rpc
+
+    from app.store import etcd_watch
+
+    monkeypatch.setattr(etcd_watch, "PROGRESS_REQUEST", rpc.WatchRequest())
+
+    async def body() -> None:
+        store = new_store()
+        try:
+            start = await store.txn([], [Put("q/x", b"0")])
+            other = await store.txn([], [Put("elsewhere", b"1")])
+            stream = store.changes("q/", start.revision + 1, 0.3)
+            try:
+                async with asyncio.timeout(DEADLINE_S):
+                    quiet = await anext(stream)
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            await store.close()
+        assert quiet.changes == ()
+        assert quiet.revision > other.revision  # the fence's
+
+    run(body())
