@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,7 @@ from tests.support.faults import agent_body
 from tests.support.server import RegistryProcess, free_port
 from workers.client import RegistryClient
 from workers.errors import InvalidRequest, WatchLost
-from workers.watch import Cursor, WatchEvent
+from workers.watch import BACKOFF_BASE_S, Cursor, WatchEvent
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(90)]
 
@@ -144,3 +146,63 @@ def test_the_cursor_resumes_a_revision_that_changed_several_groups_without_doubl
     assert cursor.accept({"type": "BOOKMARK", "revision": 12, "object": None}) is not None
     assert cursor.resume_from == 12
     assert cursor.accept(line("MODIFIED", 12, "b")) is None  # at or before done
+
+
+def test_watchers_that_lost_a_replica_come_back_spread_by_full_jitter() -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with RegistryClient(nobody, timeout_s=0.5) as c:
+        pauses = []
+        for _ in range(200):
+            watch = c.watch(revision=0)
+            watch.failed("the stream ended")  # each one's first failure
+            pauses.append(watch.pause())
+    assert all(0 <= p < BACKOFF_BASE_S for p in pauses), max(pauses)
+    buckets = Counter(int(p / BACKOFF_BASE_S * 10) for p in pauses)
+    # Full jitter: about 20 in each tenth of the window (the old fixed 0.1 s: all 200 in one).
+    assert max(buckets.values()) <= 60, sorted(buckets.items())
+    assert len(buckets) == 10, sorted(buckets.items())
+
+
+def test_a_watch_on_a_registry_restarted_on_a_fresh_file_lists_again(tmp_path: Path) -> None:
+    """The hostile run of issue 38 item 2: the client stands at a revision the new store has
+    not reached (some 50 against 2); the registry refuses it (410 revision_ahead) and the
+    watch lists again, seeing the new store's groups and none of the old one's."""
+    port = free_port()
+    args = ["--watch-bookmark-s", "0.5", "--no-access-log"]
+
+    def serve(name: str) -> RegistryProcess:
+        store = f"sqlite:///{tmp_path / f'{name}.db'}"
+        return RegistryProcess(store, port=port, args=args, log_path=tmp_path / f"{name}.log")
+
+    old_groups, new_groups = [gid() for _ in range(2)], [gid() for _ in range(2)]
+    with RegistryClient(f"http://127.0.0.1:{port}", timeout_s=10.0) as client:
+        with serve("old"):
+            for n in range(18):  # two changes a launch: revision 36
+                engine, _ = client.open_engine(
+                    old_groups[n % 2], launch_id=f"l{n}", tp_size=1, role="prefill"
+                )
+                client.request(
+                    "PUT",
+                    f"/tp-groups/{old_groups[n % 2]}/engine/agents/0",
+                    json=agent_body(engine.engine_id, 0),
+                )
+            events = iter(client.watch(bookmarks=True, idle_timeout_s=5, lost_after_s=60))
+            (sync,) = take(events, 1)
+            assert sync.revision >= 36
+        with serve("new"):
+            for group in new_groups:
+                client.open_engine(group, launch_id="l0", tp_size=1, role="prefill")
+            head = client.request("GET", "/tp-groups").json()["revision"]
+            assert head < sync.revision
+            deadline = time.monotonic() + 20
+            relisted = None
+            while relisted is None:
+                assert time.monotonic() < deadline, "no new SYNC within 20 s (bookmarks only)"
+                event = next(events)
+                relisted = event if event.type == "SYNC" else None
+            assert {g.group_id for g in relisted.groups} == set(new_groups)
+            assert relisted.revision == head
+            later = gid()
+            client.open_engine(later, launch_id="l0", tp_size=1, role="prefill")
+            added = next(e for e in events if e.type != "BOOKMARK")
+            assert (added.type, added.engine and added.engine.group_id) == ("ADDED", later)

@@ -87,7 +87,8 @@ def test_a_node_holds_one_watch_and_survives_its_leaders_death(
     prefill = f"pf-{uuid.uuid4().hex[:6]}"
     with RegistryClient(registry.url, timeout_s=10.0) as client:
         first = launch(client, prefill)
-        launch(client, f"other-{uuid.uuid4().hex[:6]}", model="m-other")
+        other = f"other-{uuid.uuid4().hex[:6]}"
+        launch(client, other, model="m-other")
         cmd = [
             sys.executable,
             "-m",
@@ -120,8 +121,19 @@ def test_a_node_holds_one_watch_and_survives_its_leaders_death(
             )
             time.sleep(1.0)  # no other worker opens its own meanwhile
             assert metric(registry.url, "registry_watchers") == 1
+            # Filtered by the model on the server: another model's relaunch sends nothing.
+            sent = metric(registry.url, "registry_watch_events_sent_total")
+            launch(client, other, model="m-other")
+            time.sleep(0.5)
+            assert metric(registry.url, "registry_watch_events_sent_total") == sent
 
             second = launch(client, prefill)  # relaunched: every worker releases `first`
+            until(
+                lambda: metric(registry.url, "registry_watch_events_sent_total") > sent,
+                10,
+                "the relaunch of the node's model sent",
+                workers,
+            )
             until(
                 lambda: (
                     all(w.saw(f"RELEASED {first.engine_id} superseded") for w in workers)
