@@ -220,7 +220,7 @@ async def follow(
                     continue
                 fencing = True
                 hint = 0
-                tasks.append(asyncio.create_task(write_fence()))
+                tasks[2:] = [asyncio.create_task(write_fence())]  # the one before is done
                 continue
             if item is _NUDGED:
                 if asked or hint or fencing or fenced:
@@ -254,7 +254,7 @@ async def follow(
                 elif not hint and not fencing and not fenced:
                     yield ChangeBatch(delivered, ())  # alive, and nothing to prove
             else:
-                for batch in _batches(item.events, len(root), key[len(root) :].decode()):
+                for batch in _batches(item.events, len(root), prefix):
                     delivered = batch.revision
                     yield batch
             if hint and delivered >= hint:
