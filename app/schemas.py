@@ -247,6 +247,9 @@ class Engine(BaseModel):
     role: Role
     compat: dict[str, Any]
     created_at: str
+    opened_by: str | None = Field(
+        None, description="The name of the token that opened this launch (null without tokens)."
+    )
     ready: bool
     registered_ranks: list[int]
     missing_ranks: list[int]

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from app import compat as compat_rules
 from app.budgets import clip
+from app.credentials import ACTOR
 from app.errors import (
     GroupConflict,
     LaunchSuperseded,
@@ -117,6 +118,7 @@ class EnginesMixin(RegistryBase):
             role=req.role,
             compat=req.compat or {},
             created_at=utc_iso(time.time()),
+            opened_by=ACTOR.get(),
         )
         index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
         engine_json, index_json = _dump(engine), _dump(index)

@@ -30,6 +30,7 @@ class EngineRecord(BaseModel):
     role: Role
     compat: dict[str, Any]
     created_at: str
+    opened_by: str | None = None  # the name of the token that opened it (app/credentials.py)
 
 
 class AgentBrief(BaseModel):

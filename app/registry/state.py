@@ -96,6 +96,7 @@ class GroupState:
             role=e.role,
             compat=e.compat,
             created_at=e.created_at,
+            opened_by=e.opened_by,
             ready=not self.missing,
             registered_ranks=sorted(r for r in self.agents if r < e.tp_size),
             missing_ranks=self.missing,

@@ -124,6 +124,12 @@ def test_a_scoped_token_runs_a_group_in_its_scope_from_open_to_deregistration(
         ok(node7.delete(f"{base}/agents/1", params={"engine_id": eid}))
         relaunched = ok(node7.put(base, json=open_body(tp_size=2)))
         assert relaunched["generation"] == engine["generation"] + 1
+        # The engine names the token that opened it, in every read.
+        assert engine["opened_by"] == relaunched["opened_by"] == "node-7"
+        assert ok(node7.get(base))["opened_by"] == "node-7"
+        # Through FastAPI's stack too (a query string: never the fast path's).
+        stacked = ok(node7.put(base, params={"via": "stack"}, json=open_body(tp_size=2)))
+        assert stacked["opened_by"] == "node-7"
     # Reads are not scoped: a scoped worker token reads every group.
     assert node7.get("/tp-groups").status_code == 200
 
@@ -146,7 +152,8 @@ def test_a_scoped_token_is_refused_outside_its_scope_on_every_write_route(
         # The unscoped token (single-tenant set-ups) writes it as before.
         beat = shared.post(f"/tp-groups/{group}/engine/agents/0/heartbeat", json={"engine_id": eid})
         assert beat.status_code == 200, beat.text
-        assert ok(shared.put(f"/tp-groups/{group}/engine", json=open_body()))["generation"] == 2
+        relaunched = ok(shared.put(f"/tp-groups/{group}/engine", json=open_body()))
+        assert (relaunched["generation"], relaunched["opened_by"]) == (2, "worker#2")
     fresh = gid("x7")  # a group nobody opened: refused before it is looked up
     out_of_scope(node7.put(f"/tp-groups/{fresh}/engine", json=open_body()), fresh)
 
@@ -172,6 +179,12 @@ def test_a_decode_handshake_names_only_a_decode_group_in_the_tokens_scope(
     assert handshake(node7, engine["engine_id"], None).status_code == 200
     forged = {"group_id": theirs, "engine_id": other["engine_id"]}
     out_of_scope(handshake(node7, engine["engine_id"], forged), theirs)
+    stacked = node7.post(  # a query string: FastAPI's route, not the fast path
+        f"/engines/{engine['engine_id']}/handshake",
+        params={"via": "stack"},
+        json={"tp_size": 1, "rank": 0, "decode": forged},
+    )
+    out_of_scope(stacked, theirs)
     # The unscoped token may name any decode group (single-tenant set-ups).
     assert handshake(shared, engine["engine_id"], forged).status_code == 200
     # The events name the token that caused them, by its name.
