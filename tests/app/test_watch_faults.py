@@ -2,7 +2,7 @@
 on another one, nothing lost or doubled), etcd compacted under the watchers while their
 replica's etcd member is frozen (410, relist), a consumer that stops reading (cut off, the
 server's memory flat), 1,000 watchers and SIGTERM (every stream ends within a second), and
-the limit on watchers."""
+the limit on watchers, exact under a burst."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,32 @@ def test_watchers_past_the_limit_are_refused_with_503(bounded: RegistryProcess) 
 
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _burst(host: str, port: int, n: int) -> list[int]:
+    """``n`` watch requests sent at once; each one's status (the connections closed after)."""
+
+    async def one() -> tuple[int, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(f"GET /tp-groups?watch=true HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        return int(head.split(b" ")[1]), writer
+
+    answers = await asyncio.gather(*(one() for _ in range(n)))
+    for _, writer in answers:
+        writer.close()
+    return [status for status, _ in answers]
+
+
+def test_a_burst_of_watches_never_passes_the_limit_together(bounded: RegistryProcess) -> None:
+    # A watch counts from its admission: before, the count came when its response started,
+    # so every watch of a burst passed the check before any was counted.
+    statuses = asyncio.run(_burst(bounded.host, bounded.port, 30))
+    assert sorted(statuses) == [200] * 3 + [503] * 27, Counter(statuses)
+    deadline = time.monotonic() + 10
+    while metric(bounded.url, "registry_watchers") != 0:
+        assert time.monotonic() < deadline, "closed watches are still counted"
+        time.sleep(0.1)
 
 
 async def _open_watchers(host: str, port: int, n: int) -> list[Conn]:
