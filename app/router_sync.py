@@ -23,6 +23,7 @@ fails), and one line says so with the cause. The watch coming back ends it. The 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -111,12 +112,16 @@ def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offere
     decode_pool = [e for e, _ in kept if e.role in DECODING]
     anchor = decode_pool[0] if decode_pool else None
     decodes_ok = [d for d in decode_pool if anchor is None or not _differ(d, [anchor])]
+    # A prefill is checked against each distinct compat of the offered decodes, not against
+    # each decode: a fleet is a few compat classes, and one per decode made a round of
+    # 2,500 instances take 4.6 s (longer than the router's 5 s expiry) on a loaded machine.
+    classes = list({_compat_key(d.compat): d for d in reversed(decodes_ok)}.values())
     offered: list[Offered] = []
     for engine, published in kept:
         if engine.role == "prefill" and not decodes_ok:
             left_out[engine.group_id] = "no decode instance to pair with"
             continue
-        differ = _differ(engine, [anchor] if engine.role == "decode" else decodes_ok)
+        differ = _differ(engine, [anchor] if engine.role == "decode" else classes)
         if differ:
             left_out[engine.group_id] = "incompatible: " + "; ".join(differ[:3])
             continue
@@ -131,6 +136,11 @@ def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offere
                 )
             )
     return offered, left_out
+
+
+def _compat_key(compat: dict[str, Any]) -> str:
+    """Equal for compats no field of which differs (JSON keeps 1, 1.0 and true apart)."""
+    return json.dumps(compat, sort_keys=True, default=str)
 
 
 def _differ(engine: Any, others: Iterable[Any]) -> list[str]:
