@@ -4,11 +4,7 @@ top-level fields and out-of-range values are refused (422) before anything is to
 from __future__ import annotations
 
 import binascii
-import functools
-import ipaddress
-import re
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import pybase64
 from pydantic import (
@@ -24,11 +20,27 @@ from pydantic import (
     model_validator,
 )
 
-from app.budgets import MAX_TEXT, clip, too_long
+from app.addresses import bootstrap_address, parse_host, printable, serving_url, unspecified
+from app.budgets import MAX_TEXT, too_long
 
 GROUP_ID_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
-MAX_TP_SIZE = 65536
+# The engine ids this registry issues (UUIDs) and a client may name in a path: URL-unreserved
+# characters only, so no escaping changes them (workers/paths.py refuses any other).
+ENGINE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._~-]{0,127}$"
+# What one group may hold (docs/operations.md, "Group limits"): its change is one watch line
+# of at most MAX_TP_SIZE agents of MAX_AGENT_NAME + MAX_HOST characters each.
+MAX_TP_SIZE = 1024
+MAX_AGENT_NAME = 128
+MAX_HOST = 253  # a DNS name's own limit
+MAX_DP_RANK = 65536
 MAX_COMPAT_KEYS = 32
+# What a KV description may claim (docs/api.md, "kv"): a decode sizes its descriptor lists
+# (num_blocks x regions) by these numbers, so absurd ones are refused here.
+MAX_KV_REGIONS = 4096
+MAX_NUM_BLOCKS = 2**24
+MAX_BLOCK_LEN = 2**32
+MAX_KV_DESCRIPTORS = 2**27  # num_blocks x regions
+MAX_REGION_BYTES = 2**44  # num_blocks x block_len: 16 TiB
 
 GroupId = Annotated[str, StringConstraints(pattern=GROUP_ID_PATTERN)]
 Role = Literal["prefill", "decode", "both"]
@@ -44,11 +56,6 @@ TpSize = Annotated[StrictInt, Field(ge=1, le=MAX_TP_SIZE)]
 Rank = Annotated[StrictInt, Field(ge=0, lt=MAX_TP_SIZE)]
 Token = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 MemType = Literal["DRAM", "VRAM", "BLK", "OBJ", "FILE"]
-
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
-    r"(\.([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?))*\.?$"
-)
 
 
 class _Request(BaseModel):
@@ -68,15 +75,26 @@ class KvDescription(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     mem_type: MemType
-    device_id: Annotated[StrictInt, Field(ge=0)]
+    device_id: Annotated[StrictInt, Field(ge=0, lt=65536)]
     base_addrs: Annotated[
-        list[Annotated[StrictInt, Field(ge=0, lt=2**64)]], Field(max_length=65536)
+        list[Annotated[StrictInt, Field(ge=0, lt=2**64)]], Field(max_length=MAX_KV_REGIONS)
     ]
-    num_blocks: Annotated[StrictInt, Field(ge=1)]
-    block_len: Annotated[StrictInt, Field(ge=1)]
+    num_blocks: Annotated[StrictInt, Field(ge=1, le=MAX_NUM_BLOCKS)]
+    block_len: Annotated[StrictInt, Field(ge=1, le=MAX_BLOCK_LEN)]
 
     @model_validator(mode="after")
     def _text_budget(self) -> KvDescription:
+        descriptors = self.num_blocks * max(1, len(self.base_addrs))
+        if descriptors > MAX_KV_DESCRIPTORS:
+            raise ValueError(
+                f"kv describes {descriptors} blocks (num_blocks x base_addrs), more than "
+                f"{MAX_KV_DESCRIPTORS}: a decode would size its transfer descriptors by it"
+            )
+        if self.num_blocks * self.block_len > MAX_REGION_BYTES:
+            raise ValueError(
+                f"kv regions of {self.num_blocks} blocks of {self.block_len} bytes exceed "
+                f"{MAX_REGION_BYTES} bytes (16 TiB) each"
+            )
         where = too_long(self.__pydantic_extra__ or {})
         if where is not None:
             raise ValueError(
@@ -84,19 +102,6 @@ class KvDescription(BaseModel):
                 "free-form string the registry keeps)"
             )
         return self
-
-
-@functools.lru_cache(maxsize=4096)
-def parse_host(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The host as an IP address, None for a DNS name; ValueError when it is neither.
-    Cached: a fleet has few hosts, each registering all its ranks (a ValueError is not
-    cached and costs the parse again)."""
-    try:
-        return ipaddress.ip_address(value)
-    except ValueError:
-        if _HOSTNAME.match(value) and not value.replace(".", "").isdigit():
-            return None
-        raise ValueError(f"host {value!r} is neither an IP address nor a DNS name") from None
 
 
 class Base64Text(str):
@@ -127,9 +132,9 @@ def blob_of(text: str) -> bytes:
 
 class RegisterAgentRequest(_Request):
     engine_id: Token
-    agent_name: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    agent_name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_AGENT_NAME)]
     agent_metadata: Annotated[str, StringConstraints(min_length=1)]
-    host: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    host: Annotated[str, StringConstraints(min_length=1, max_length=MAX_HOST)]
     kv: KvDescription
     ttl_s: Annotated[StrictInt, Field(ge=5, le=3600)] = 30
 
@@ -143,11 +148,15 @@ class RegisterAgentRequest(_Request):
             raise ValueError(f"agent_metadata is not valid base64 ({exc})") from None
         return text
 
+    @field_validator("agent_name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return printable(value, "agent_name")
+
     @field_validator("host")
     @classmethod
     def _routable(cls, value: str) -> str:
-        address = parse_host(value)
-        if address is not None and address.is_unspecified:
+        if unspecified(parse_host(value)):
             raise ValueError(
                 f"host {value!r} is unspecified: advertise the address peers can reach "
                 "(the one that routes to the registry), not a wildcard"
@@ -162,7 +171,7 @@ class EngineIdBody(_Request):
 class DecodeSide(_Request):
     """Who asks for a handshake: the decode group and its engine (for events and pages)."""
 
-    group_id: Token
+    group_id: GroupId
     engine_id: Token | None = None
 
 
@@ -185,39 +194,23 @@ class ServingRequest(_Request):
     engine_id: Token
     url: Annotated[str, StringConstraints(min_length=1, max_length=MAX_TEXT)]
     model: Annotated[str, StringConstraints(min_length=1, max_length=256)]
-    dp_rank: Annotated[StrictInt, Field(ge=0, lt=MAX_TP_SIZE)] | None = None
+    dp_rank: Annotated[StrictInt, Field(ge=0, lt=MAX_DP_RANK)] | None = None
     bootstrap: Annotated[str, StringConstraints(min_length=3, max_length=260)] | None = None
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, value: str) -> str:
-        parts = urlsplit(value)
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-            raise ValueError(
-                f"url {clip(value, 64)!r} is not http(s)://host:port (the address a router "
-                "reaches the instance's API at, with its port)"
-            )
-        address = parse_host(parts.hostname)
-        if address is not None and address.is_unspecified:
-            raise ValueError(
-                f"url {clip(value, 64)!r} names an unspecified host: advertise the address a "
-                "router reaches (ENGINE_REGISTRY_ADVERTISE_URL), not the wildcard it binds"
-            )
-        return value.rstrip("/")
+        return serving_url(value)  # stored as validated: normalized, never the raw text
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str) -> str:
+        return printable(value, "model")
 
     @field_validator("bootstrap")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        host, _, port = value.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bootstrap {clip(value, 64)!r} is not host:port")
-        return value
+        return None if value is None else bootstrap_address(value)
 
 
 # -- answers ---------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from app.addresses import parse_host
 from app.errors import (
     FieldPath,
     FieldProblem,
@@ -24,7 +25,6 @@ from app.schemas import (
     Heartbeat,
     RegisterAgentRequest,
     blob_of,
-    parse_host,
 )
 from app.store import Compare, Delete, Put
 from app.timefmt import utc_iso

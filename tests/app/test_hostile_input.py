@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.schemas import MAX_TP_SIZE
 from tests.support.faults import agent_body
 from tests.support.hostile import assert_problem, open_engine, raw_exchange, serve
 from tests.support.server import RegistryProcess
@@ -299,7 +300,7 @@ def test_a_handshake_against_the_largest_tp_size_answers_fast_and_healthz_stays_
     server = serve(tmp_path, tmp_path / "registry.db")
     try:
         with httpx.Client(base_url=server.url, timeout=10.0) as http:
-            engine = open_engine(http, "wide", tp_size=65536)
+            engine = open_engine(http, "wide", tp_size=MAX_TP_SIZE)
         handshake_while_probing_healthz(server, engine["engine_id"])
     finally:
         server.kill()

@@ -27,6 +27,7 @@ SMALL = [f"{role}-{i}" for role in ("decode", "prefill") for i in range(4)] + ["
 NOT_READY = {"decode-1", "prefill-2", "both-0"}
 BIG = [f"wide-{i:02d}" for i in range(12)]
 BIG_TP = 256
+HOST_TAIL = f"{'h' * 63}.{'h' * 63}.example"  # names at most 128 characters, hosts long
 
 
 def _open(c: httpx.Client, gid: str, tp: int, role: str) -> str:
@@ -56,7 +57,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
         for gid in BIG:
             eid = _open(c, gid, BIG_TP, "prefill")
             agents = [
-                agent_body(eid, r, agent_name=f"{eid}-{'n' * 200}-{r}", host=f"node-{r}.example")
+                agent_body(eid, r, agent_name=f"{eid}-{'n' * 85}-{r}", host=f"node-{r}.{HOST_TAIL}")
                 | {"rank": r}
                 for r in range(BIG_TP)
             ]
