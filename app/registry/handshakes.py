@@ -11,10 +11,12 @@ from app.errors import (
     FieldProblem,
     Incompatible,
     InvalidRequest,
+    NotFound,
     NotReady,
 )
 from app.registry.base import RegistryBase
-from app.registry.records import AgentRecord, _blob_key
+from app.registry.records import AgentRecord, EngineRecord, _blob_key, _engine_key
+from app.registry.state import GroupState
 from app.schemas import (
     Handshake,
     HandshakeRequest,
@@ -40,6 +42,7 @@ class HandshakesMixin(RegistryBase):
                 "smaller.",
                 fields=[FieldProblem(("tp_size",), str(exc), "tp_ratio")],
             ) from None
+        decode = None if req.decode is None else await self._decode_side(req, engine_id)
         found: list[dict[str, Any]] = []
         if engine.role == "decode":
             found.append({"field": "role", "remote": "decode", "local": "decode"})
@@ -86,7 +89,6 @@ class HandshakesMixin(RegistryBase):
                     expires_at=utc_iso(state.expires_at[r]),
                 )
             )
-        decode = None if req.decode is None else req.decode.model_dump(exclude_none=True)
         self.events.handshake(
             engine_id, engine.group_id, engine.generation, req.tp_size, req.rank,
             plan.target_ranks, decode,
@@ -99,6 +101,37 @@ class HandshakesMixin(RegistryBase):
             tp_ratio=plan.tp_ratio,
             targets=targets,
         )
+
+    async def _decode_side(self, req: HandshakeRequest, engine_id: str) -> dict[str, str]:
+        """The asking decode side as verified: its group exists, may decode, and (when the
+        request names one) ``decode.engine_id`` is that group's current engine. What the
+        handshake event records is this, never the request's word."""
+        assert req.decode is not None
+        gid = req.decode.group_id
+        entry = await self.store.get(_engine_key(gid))
+        if entry is None:
+            raise NotFound(
+                f"the decode group {gid!r} this handshake names (decode.group_id) does not "
+                f"exist in this registry: the decode's rank 0 opens it (PUT /tp-groups/{gid}"
+                "/engine) before its ranks handshake; check the decode's group id and registry "
+                f"URL. The prefill engine {engine_id} itself exists.",
+                decode_group_id=gid,
+            )
+        current = self.decoded.record(entry, EngineRecord)
+        if current.role == "prefill":
+            error = Incompatible(
+                f"the decode group {gid!r} this handshake names (decode.group_id) is a prefill "
+                "group: only a group of role decode or both loads from a prefill. Name the "
+                "asking decode's own group.",
+                mismatches=[{"field": "decode.role", "remote": "decode", "local": "prefill"}],
+            )
+            self.events.refusal(error, gid, engine_id=engine_id)
+            raise error
+        got = req.decode.engine_id
+        if got is not None and got != current.engine_id:
+            state = GroupState(current, entry.mod_revision, {}, {}, {}, entry.mod_revision)
+            raise await self._mismatch(state, req.rank, got)
+        return {"group_id": gid, "engine_id": current.engine_id}
 
     async def _blobs(self, gid: str, ranks: list[int]) -> dict[int, Entry]:
         """The metadata blobs of ``ranks``: a get each for a few, one range read for many

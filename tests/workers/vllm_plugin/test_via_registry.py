@@ -117,11 +117,18 @@ def _settings(registry: RegistryProcess) -> PluginSettings:
     return PluginSettings(url=registry.url, group="decode-a")
 
 
-SIDE = via_registry.DecodeSide(1, 0, {"block_size": 16}, "decode-a", "decode-engine-1")
+@pytest.fixture(scope="module")
+def side(registry: RegistryProcess) -> via_registry.DecodeSide:
+    """The asking decode: a group of this registry (a handshake naming another is refused)."""
+    with RegistryClient(registry.url) as client:
+        engine, _ = client.open_engine(
+            "decode-a", launch_id=uuid.uuid4().hex, tp_size=1, role="decode"
+        )
+    return via_registry.DecodeSide(1, 0, {"block_size": 16}, "decode-a", engine.engine_id)
 
 
 def test_the_handshake_loads_every_rank_from_the_registry_without_dialing(
-    registry: RegistryProcess,
+    registry: RegistryProcess, side: via_registry.DecodeSide
 ) -> None:
     closed = free_port()  # nothing listens: a dial would time out
     with RegistryClient(registry.url) as client:
@@ -129,7 +136,7 @@ def test_the_handshake_loads_every_rank_from_the_registry_without_dialing(
         engine_id = _publish(client, "prefill-a", 2, clock)
         worker = StandInWorker()
         done: list[str] = []
-        assert via_registry.install(worker, _settings(registry), SIDE,
+        assert via_registry.install(worker, _settings(registry), side,
                                     on_handshake=lambda eid, _plan: done.append(eid))  # fmt: skip
         agents, offset = worker._nixl_handshake("127.0.0.1", closed, 2, engine_id)
         assert agents == {(0, 0): "agent-0", (0, 1): "agent-1"}
@@ -151,12 +158,14 @@ def test_the_handshake_loads_every_rank_from_the_registry_without_dialing(
             plain._nixl_handshake("127.0.0.1", closed, 2, engine_id)
 
 
-def test_stale_unready_and_unpublished_engines(registry: RegistryProcess) -> None:
+def test_stale_unready_and_unpublished_engines(
+    registry: RegistryProcess, side: via_registry.DecodeSide
+) -> None:
     with RegistryClient(registry.url) as client:
         old = _publish(client, "prefill-b", 1, via_registry.clock_reference())
         _publish(client, "prefill-b", 1, via_registry.clock_reference())
         worker = StandInWorker()
-        via_registry.install(worker, _settings(registry), SIDE)
+        via_registry.install(worker, _settings(registry), side)
         t0 = time.monotonic()
         with pytest.raises(StaleRemoteEngine, match="superseded by generation 2"):
             worker._nixl_handshake("127.0.0.1", free_port(), 1, old)
@@ -167,16 +176,18 @@ def test_stale_unready_and_unpublished_engines(registry: RegistryProcess) -> Non
         # A prefill that published no payload (an older plugin) is dialed instead.
         legacy = _publish(client, "prefill-d", 1, 0.0, blob=False)
         sides: list[int] = []
-        via_registry.install(StandInWorker(), _settings(registry), SIDE)
+        via_registry.install(StandInWorker(), _settings(registry), side)
         worker2 = StandInWorker()
-        via_registry.install(worker2, _settings(registry), SIDE,
+        via_registry.install(worker2, _settings(registry), side,
                              on_side_channel=lambda: sides.append(1))  # fmt: skip
         with pytest.raises(zmq.Again):
             worker2._nixl_handshake("127.0.0.1", free_port(), 1, legacy)
         assert sides == [1]
 
 
-def test_released_engines_go_through_vllms_bookkeeping(registry: RegistryProcess) -> None:
+def test_released_engines_go_through_vllms_bookkeeping(
+    registry: RegistryProcess, side: via_registry.DecodeSide
+) -> None:
     with RegistryClient(registry.url) as client:
         first = _publish(client, "prefill-e", 1, 0.0)
         lapsing = _publish(client, "prefill-f", 1, 0.0, ttl_s=5)
@@ -186,7 +197,7 @@ def test_released_engines_go_through_vllms_bookkeeping(registry: RegistryProcess
             _settings(registry), lambda eid: release.hand_to_vllm(worker, eid),
             lambda followed, kind, _why: released.append((followed.engine_id, kind)),
         )  # fmt: skip
-        via_registry.install(worker, _settings(registry), SIDE, on_handshake=follower.follow)
+        via_registry.install(worker, _settings(registry), side, on_handshake=follower.follow)
         worker._nixl_handshake("127.0.0.1", 1, 1, first)
         worker._nixl_handshake("127.0.0.1", 2, 1, lapsing)
         assert set(worker._engine_by_address.values()) == {first, lapsing}
