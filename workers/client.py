@@ -38,6 +38,8 @@ from workers.models import (
     RankExpiry,
     Role,
 )
+from workers.paths import check_path, engine_path, group_path, rank_segment
+from workers.paths import normalize_urls as _normalize_urls
 from workers.tls import ClientTLS, tls_failure
 from workers.watch import AsyncGroupWatch, GroupWatch
 
@@ -47,19 +49,6 @@ HOLD_MARGIN_S = 5.0
 
 
 USER_AGENT = "engine-registry-workers"
-
-
-def _normalize_urls(urls: str | Sequence[str]) -> list[str]:
-    items = [urls] if isinstance(urls, str) else list(urls)
-    out: list[str] = []
-    for item in items:
-        for part in item.split(","):
-            part = part.strip().rstrip("/")
-            if part:
-                out.append(part)
-    if not out:
-        raise ValueError("at least one registry URL is needed")
-    return out
 
 
 class RegistryClient:
@@ -137,6 +126,7 @@ class RegistryClient:
         hold_s: float = 0.0,
     ) -> httpx.Response:
         """One logical call: retried and failed over until `timeout_s` (+ `hold_s`) passes."""
+        check_path(path)  # an id that escaped its segment never reaches another route
         budget = (self.timeout_s if timeout_s is None else timeout_s) + hold_s
         deadline = self._clock() + budget
         n = len(self.urls)
@@ -216,7 +206,7 @@ class RegistryClient:
         body: dict[str, Any] = {"launch_id": launch_id, "tp_size": tp_size, "role": role}
         if compat is not None:
             body["compat"] = compat
-        r = self.request("PUT", f"/tp-groups/{group_id}/engine", json=body, timeout_s=timeout_s)
+        r = self.request("PUT", f"{group_path(group_id)}/engine", json=body, timeout_s=timeout_s)
         return Engine.from_json(r.json()), r.status_code == 201
 
     def get_engine(
@@ -228,7 +218,7 @@ class RegistryClient:
             params = {"wait_ready": wait_ready_s}
             hold = wait_ready_s + HOLD_MARGIN_S
         r = self.request(
-            "GET", f"/tp-groups/{group_id}/engine", params=params, timeout_s=timeout_s, hold_s=hold
+            "GET", f"{group_path(group_id)}/engine", params=params, timeout_s=timeout_s, hold_s=hold
         )
         return Engine.from_json(r.json())
 
@@ -269,10 +259,10 @@ class RegistryClient:
         )  # fmt: skip
 
     def delete_group(self, group_id: str, *, timeout_s: float | None = None) -> None:
-        self.request("DELETE", f"/tp-groups/{group_id}", timeout_s=timeout_s)
+        self.request("DELETE", group_path(group_id), timeout_s=timeout_s)
 
     def resolve_engine(self, engine_id: str, *, timeout_s: float | None = None) -> Engine:
-        r = self.request("GET", f"/engines/{engine_id}", timeout_s=timeout_s)
+        r = self.request("GET", engine_path(engine_id), timeout_s=timeout_s)
         return Engine.from_json(r.json())
 
     # -- agents ---------------------------------------------------------------------------
@@ -301,7 +291,10 @@ class RegistryClient:
         if ttl_s is not None:
             body["ttl_s"] = ttl_s
         r = self.request(
-            "PUT", f"/tp-groups/{group_id}/engine/agents/{rank}", json=body, timeout_s=timeout_s
+            "PUT",
+            f"{group_path(group_id)}/engine/agents/{rank_segment(rank)}",
+            json=body,
+            timeout_s=timeout_s,
         )
         return AgentRecord.from_json(r.json()), r.status_code == 201
 
@@ -311,7 +304,7 @@ class RegistryClient:
         """Renew the lease; returns the new `expires_at`."""
         r = self.request(
             "POST",
-            f"/tp-groups/{group_id}/engine/agents/{rank}/heartbeat",
+            f"{group_path(group_id)}/engine/agents/{rank_segment(rank)}/heartbeat",
             json={"engine_id": engine_id},
             timeout_s=timeout_s,
         )
@@ -332,7 +325,7 @@ class RegistryClient:
             raise ValueError("a batch registration needs at least one agent")
         body = {"agents": [agent.to_json(ttl_s) for agent in agents]}
         r = self.request(
-            "PUT", f"/tp-groups/{group_id}/engine/agents", json=body, timeout_s=timeout_s
+            "PUT", f"{group_path(group_id)}/engine/agents", json=body, timeout_s=timeout_s
         )
         return BatchRegistration.from_json(r.json())
 
@@ -350,7 +343,7 @@ class RegistryClient:
             raise ValueError("a batch heartbeat needs at least one rank")
         r = self.request(
             "POST",
-            f"/tp-groups/{group_id}/engine/agents/heartbeat",
+            f"{group_path(group_id)}/engine/agents/heartbeat",
             json={"engine_id": engine_id, "ranks": list(ranks)},
             timeout_s=timeout_s,
         )
@@ -361,7 +354,7 @@ class RegistryClient:
     ) -> None:
         self.request(
             "DELETE",
-            f"/tp-groups/{group_id}/engine/agents/{rank}",
+            f"{group_path(group_id)}/engine/agents/{rank_segment(rank)}",
             params={"engine_id": engine_id},
             timeout_s=timeout_s,
         )
@@ -385,7 +378,9 @@ class RegistryClient:
             body["compat"] = compat
         if decode is not None:
             body["decode"] = dict(decode)
-        r = self.request("POST", f"/engines/{engine_id}/handshake", json=body, timeout_s=timeout_s)
+        r = self.request(
+            "POST", f"{engine_path(engine_id)}/handshake", json=body, timeout_s=timeout_s
+        )
         return Handshake.from_json(r.json())
 
     # -- health ---------------------------------------------------------------------------

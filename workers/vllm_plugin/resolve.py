@@ -18,6 +18,7 @@ from typing import Any
 from workers.client import RegistryClient
 from workers.errors import Incompatible, NotReady
 from workers.models import Engine
+from workers.paths import engine_path
 
 _DP_SUFFIX = re.compile(r"^(?P<id>.+?)_dp(?P<rank>\d+)$")
 
@@ -81,7 +82,7 @@ def resolve_remote_engine(
             try:
                 r = client.request(
                     "POST",
-                    f"/engines/{base}/handshake",
+                    f"{engine_path(base)}/handshake",
                     json={"tp_size": engine.tp_size, "rank": rank},
                     timeout_s=timeout_s,
                 )

@@ -17,9 +17,12 @@ where vLLM's scheduler stamps block expiry), so the offset is that minus this no
 one host and as good as the nodes' wall clocks agree (NTP) across hosts.
 
 Stale engines are refused as in `stale` (410/404 from the same call); a registry that does not
-answer leaves the handshake to the side channel (logged), so the registry is never the only
-way in. A prefill whose ranks did not publish the payload (an older plugin, or no NIXL
-connector) is handshaked over its side channel too, said in the log.
+answer (no replica reachable, its store down, TLS refused) leaves the handshake to the side
+channel (logged), so the registry is never the only way in. Any other answer is a refusal,
+never a reason to dial: a remote engine id outside the registry's grammar (it comes from the
+request's ``kv_transfer_params``) is refused before any request. A prefill whose ranks did
+not publish the payload (an older plugin, or no NIXL connector) is handshaked over its side
+channel too, said in the log.
 """
 
 from __future__ import annotations
@@ -42,11 +45,16 @@ from workers.errors import (
     NotFound,
     NotReady,
     RegistryError,
+    RegistryUnavailable,
+    StoreUnavailable,
     Unauthorized,
 )
 from workers.models import Handshake
+from workers.paths import InvalidId
+from workers.tls import RegistryTLSError
 from workers.vllm_plugin import common, stale
 from workers.vllm_plugin.common import log
+from workers.vllm_plugin.payload_bounds import PayloadOutOfBounds, check_payload
 from workers.vllm_plugin.resolve import split_dp_suffix
 from workers.vllm_plugin.settings import PluginSettings
 
@@ -73,7 +81,14 @@ class Answer:
     clock_offset: float
 
 
-def answer_of(handshake: Handshake, local_clock: float) -> Answer:
+class PayloadRefused(RegistryHandshakeError):
+    """A published payload whose sizes a decode must not take (`payload_bounds`): refused,
+    never retried over the side channel (which would serve the same payload)."""
+
+
+def answer_of(
+    handshake: Handshake, local_clock: float, local_block_size: int | None = None
+) -> Answer:
     """The side channel's replies from the registry's handshake answer, or why not."""
     payloads: dict[tuple[int, int], bytes] = {}
     clocks: set[float] = set()
@@ -84,6 +99,13 @@ def answer_of(handshake: Handshake, local_clock: float) -> Answer:
                 f"rank {target.rank} of engine {handshake.engine_id} published no vLLM "
                 "handshake payload (a prefill without this plugin's NIXL publication)"
             )
+        try:
+            check_payload(target.agent_metadata, target.kv, local_block_size)
+        except PayloadOutOfBounds as exc:
+            raise PayloadRefused(
+                f"{MARK}: rank {target.rank} of engine {handshake.engine_id} published a "
+                f"payload out of bounds, not loaded: {exc}"
+            ) from None
         clock = extra.get("scheduler_clock")
         if not isinstance(clock, int | float):
             raise RegistryHandshakeError(
@@ -208,7 +230,13 @@ def install(
                     decode={"group_id": side.group_id, "engine_id": side.engine_id},
                     timeout_s=HANDSHAKE_S,
                 )  # fmt: skip
-        except (EngineSuperseded, NotFound) as exc:
+        except NotFound as exc:
+            if exc.problem.get("decode_group_id"):  # this decode's own group, not the prefill
+                raise RegistryHandshakeError(f"{MARK} refused by the registry: {exc}") from exc
+            why = stale.why_stale(exc, str(expected_engine_id))
+            log.warning("%s (side channel %s:%s not dialed)", why, host, port)
+            raise stale.StaleRemoteEngine(why) from exc
+        except EngineSuperseded as exc:
             why = stale.why_stale(exc, str(expected_engine_id))
             log.warning("%s (side channel %s:%s not dialed)", why, host, port)
             raise stale.StaleRemoteEngine(why) from exc
@@ -216,15 +244,23 @@ def install(
             # The registry answered, and no side channel would do better: the prefill's
             # ranks are not live, or the pair cannot work, or this token may not ask.
             raise RegistryHandshakeError(f"{MARK} refused by the registry: {exc}") from exc
-        except RegistryError as exc:
+        except InvalidId as exc:  # from the request's kv_transfer_params: not a registry id
+            raise RegistryHandshakeError(f"{MARK} not asked: {exc}") from exc
+        except (RegistryUnavailable, StoreUnavailable, RegistryTLSError) as exc:
             return side_channel(host, port, f"the registry did not answer ({exc})", *rest, **kwargs)
+        except RegistryError as exc:  # it answered, and not with the contract's handshake
+            raise RegistryHandshakeError(f"{MARK} refused by the registry: {exc}") from exc
         if planned.remote_tp_size != remote_tp_size:
             raise RegistryHandshakeError(
                 f"{MARK}: the request says engine {expected_engine_id} has TP "
                 f"{remote_tp_size}, the registry says {planned.remote_tp_size}"
             )
+        block_size = side.compat.get("block_size")
+        local_block_size = block_size if isinstance(block_size, int) else None
         try:
-            answer = answer_of(planned, clock_reference())
+            answer = answer_of(planned, clock_reference(), local_block_size)
+        except PayloadRefused:
+            raise
         except RegistryHandshakeError as exc:
             return side_channel(host, port, str(exc), *rest, **kwargs)
         _serving.answer = answer
