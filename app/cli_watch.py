@@ -5,9 +5,14 @@ from the registry's watch stream (``GET /tp-groups?watch=true``, read on a threa
 then each change as it lands, no polling. A frame is drawn when changes arrive (at most one
 per ``--interval``) and at least once per bookmark; a group whose row changed since the last
 frame (role, generation, engine, ranks; not the ticking lease) is marked ``*``, a new one
-``+``, and a group gone is listed below the table as ``-``. When the registry does not answer
-(or the stream breaks), the frame says so (and since when), keeps the last table, and the
-stream is opened again every ``--interval`` from its last revision (a ``410`` lists again).
+``+``, and a group gone is listed below the table as ``-``. The stream is
+`workers.client`'s watch (`RegistryClient.watch`, imported when it starts: ``app`` does not
+import ``workers`` at import time), the one parser of it: a stream cut in the middle of a
+revision that changed several groups resumes from just before it, so nothing is lost; a
+``410`` lists again. When no registry answers for two intervals (or refuses the token), the
+frame says so (and since when) and keeps the last table; the watch is taken up again from
+where it was after a `workers.backoff.Backoff` pause (full jitter, 0.2 s growing to at most
+max(5 s, ``--interval``)).
 Ctrl-C ends it with the cursor restored and exit status 0, also when it was started with
 SIGINT ignored (a background job of a non-interactive shell): it is a display a person ends
 with Ctrl-C.
@@ -15,7 +20,6 @@ with Ctrl-C.
 
 from __future__ import annotations
 
-import json
 import queue
 import signal
 import ssl
@@ -25,8 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
-
-import httpx
 
 HOME, CLEAR_LINE, CLEAR_DOWN = "\x1b[H", "\x1b[K", "\x1b[J"
 HIDE_CURSOR, SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
@@ -61,56 +63,48 @@ class Watch:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)
     revision: int | None = None
     failure: Exception | None = None
+    retry_s: float = 0.0  # the pause before the watch is taken up again
     _news: queue.Queue[tuple[str, Any]] = field(default_factory=queue.Queue)
 
-    def fetch(self) -> tuple[list[dict[str, Any]], int]:
-        answer = httpx.get(
-            f"{self.url.rstrip('/')}/tp-groups",
-            headers=self.headers,
-            timeout=self.timeout_s,
-            verify=self.verify,
-        )
-        if answer.status_code != 200:
-            raise RuntimeError(f"answered {answer.status_code}: {answer.text[:200]}")
-        body = answer.json()
-        return body["groups"], int(body.get("revision", 0))
+    def client(self) -> Any:
+        """A `workers.client.RegistryClient` on ``url`` with this watch's token and trust."""
+        import httpx
+
+        from workers.client import RegistryClient
+
+        auth = self.headers.get("Authorization", "")
+        token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
+        return RegistryClient(
+            self.url, token=token, timeout_s=self.timeout_s,
+            transport=httpx.HTTPTransport(verify=self.verify),
+        )  # fmt: skip
 
     def follow(self) -> None:
-        """On a thread: list, then the watch stream from the list's revision; what comes is
-        put on ``_news`` for the drawing loop. A broken stream is opened again (from its
-        revision) every ``interval_s``; a 410 lists again."""
-        revision: int | None = None
-        while True:
-            try:
-                if revision is None:
-                    groups, revision = self.fetch()
-                    self._news.put(("list", (groups, revision)))
-                params: dict[str, str | int] = {"watch": "true", "revision": revision}
-                timeout = httpx.Timeout(60.0, connect=self.timeout_s)
-                with httpx.stream(
-                    "GET", f"{self.url.rstrip('/')}/tp-groups", params=params,
-                    headers=self.headers, timeout=timeout, verify=self.verify,
-                ) as answer:  # fmt: skip
-                    if answer.status_code == 410:
-                        revision = None
-                        continue
-                    if answer.status_code != 200:
-                        raise RuntimeError(f"answered {answer.status_code}")
-                    self._news.put(("up", None))
-                    for raw in answer.iter_lines():
-                        if not raw:
-                            continue
-                        line = json.loads(raw)
-                        if line["type"] == "ERROR":
-                            if line["object"].get("code") == "revision_compacted":
-                                revision = None
-                            raise RuntimeError(str(line["object"].get("detail", "")))
-                        revision = max(revision or 0, int(line["revision"]))
-                        self._news.put(("line", line))
-                raise RuntimeError("the watch stream ended")
-            except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
-                self._news.put(("down", exc))
-                time.sleep(self.interval_s)
+        """On a thread: the client's watch (`RegistryClient.watch`: a list, then each change
+        once, resumed mid-revision without loss, a relist on 410), put on ``_news`` for the
+        drawing loop. A failure is shown and the same watch is taken up again after a
+        `workers.backoff.Backoff` pause (at least a ``Retry-After`` the error carries)."""
+        from workers.backoff import Backoff
+
+        backoff = Backoff(base_s=0.2, cap_s=max(5.0, self.interval_s))
+        # Unreachable on screen after two intervals with no word (at least 2 s); the watch
+        # itself keeps its place (its cursor) across the pause.
+        lost_after_s = max(2.0, 2 * self.interval_s)
+        with self.client() as client:
+            watch = client.watch(bookmarks=True, idle_timeout_s=30.0, lost_after_s=lost_after_s)
+            while True:
+                try:
+                    for event in watch:
+                        backoff.reset()
+                        self._news.put(("event", event))
+                    raise RuntimeError("the watch stream ended")
+                except Exception as exc:  # shown on the frame; the watch is taken up again
+                    self._news.put(("down", exc))
+                    value = getattr(exc, "retry_after_s", None)
+                    retry_after = float(value) if isinstance(value, int | float) else None
+                    pause = backoff.next(retry_after)
+                    self.retry_s = pause
+                    time.sleep(pause)
 
     def take(self, wait_s: float) -> bool:
         """Apply what the stream brought (waiting up to ``wait_s`` for something); True when
@@ -120,20 +114,15 @@ class Watch:
         except queue.Empty:
             return False
         while True:
-            if kind == "list":
-                groups, self.revision = item
-                self.groups = {str(g["group_id"]): g for g in groups}
+            if kind == "event":
                 self.failure = None
-            elif kind == "line":
-                self.failure = None
-                self.revision = int(item["revision"])
-                engine = item.get("object")
-                if item["type"] == "DELETED":
-                    self.groups.pop(str(engine["group_id"]), None)
-                elif item["type"] in ("ADDED", "MODIFIED"):
-                    self.groups[str(engine["group_id"])] = engine
-            elif kind == "up":
-                self.failure = None
+                self.revision = item.revision
+                if item.type == "SYNC":
+                    self.groups = {e.group_id: e.raw for e in item.groups}
+                elif item.type == "DELETED" and item.engine is not None:
+                    self.groups.pop(item.engine.group_id, None)
+                elif item.engine is not None:
+                    self.groups[item.engine.group_id] = item.engine.raw
             else:
                 self.failure = item
             try:
@@ -152,7 +141,7 @@ class Watch:
             since = time.strftime("%H:%M:%S", time.localtime(self.down_since))
             alert = (
                 f"REGISTRY UNREACHABLE since {since}: {type(exc).__name__}: {exc}; "
-                f"retrying every {self.interval_s:g}s (the table below is from before)"
+                f"retrying in {self.retry_s:.1f}s (the table below is from before)"
             )
             if self.color:
                 alert = f"{RED}{BOLD}{alert}{RESET}"
