@@ -1,0 +1,82 @@
+"""router-sync's watch loop (`app.router_sync.follow`) retries on the one back-off policy
+(`workers.backoff.Backoff`: full jitter, capped, a server's ``Retry-After`` as a floor), not
+on a fixed pause; and `Groups` knows since when the watch is blind, and why."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from app.router_sync import Groups, follow
+from workers.backoff import Backoff
+from workers.errors import RegistryUnavailable, Unauthorized
+from workers.watch import WatchEvent
+
+pytestmark = pytest.mark.unit
+
+
+class Stop(threading.Event):
+    """Records each pause asked of it; set after ``after`` of them."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        self.pauses: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert timeout is not None
+        self.pauses.append(timeout)
+        if len(self.pauses) >= self.after:
+            self.set()
+        return self.is_set()
+
+
+class Refusing:
+    """A client whose watch fails with each of ``errors`` in turn, then lists nothing."""
+
+    url = "http://registry"
+
+    def __init__(self, errors: list[Exception]) -> None:
+        self.errors = errors
+
+    def watch(self, **_: Any) -> Iterator[WatchEvent]:
+        if self.errors:
+            raise self.errors.pop(0)
+        yield WatchEvent("SYNC", 7, groups=[])
+
+
+def lost() -> RegistryUnavailable:
+    return RegistryUnavailable("no registry answered", urls=["http://registry"], attempts=3)
+
+
+def test_retries_are_jittered_and_capped_not_a_fixed_pause() -> None:
+    stop = Stop(after=8)
+    follow(Refusing([lost() for _ in range(8)]), Groups(), stop,
+           Backoff(base_s=0.5, cap_s=10.0, rng=random.Random(1)))  # fmt: skip
+    expected = Backoff(base_s=0.5, cap_s=10.0, rng=random.Random(1))
+    assert stop.pauses == [expected.next() for _ in range(8)]
+    assert len(set(stop.pauses)) == 8
+    assert all(0 <= p <= 10.0 for p in stop.pauses)
+
+
+def test_a_retry_after_the_error_carries_is_a_floor() -> None:
+    refused = Unauthorized({"code": "unauthorized"}, status=401)
+    refused.retry_after_s = 7.0  # type: ignore[attr-defined]
+    stop = Stop(after=1)
+    follow(Refusing([refused]), Groups(), stop, Backoff(base_s=0.5, cap_s=10.0))
+    assert stop.pauses[0] >= 7.0
+
+
+def test_groups_say_since_when_the_watch_is_blind_and_why() -> None:
+    now = [100.0]
+    groups = Groups(clock=lambda: now[0])
+    groups.apply(WatchEvent("SYNC", 3, groups=[]))
+    now[0] = 112.0
+    groups.failed("401 unauthorized: rotated")
+    assert groups.blind() == (12.0, "401 unauthorized: rotated")
+    groups.apply(WatchEvent("BOOKMARK", 4))  # a bookmark is word from the registry
+    assert groups.blind() == (0.0, "")
