@@ -124,8 +124,8 @@ class EventLog:
         self._refusals: dict[Hashable, Event] = {}  # buffered, by fold key
         self._others: dict[Hashable, Event] = {}
         self._distinct: dict[tuple[str, str], int] = {}  # refusals by (kind, group) this flush
-        # engine_id -> (decode TP, decode group or "") -> ranks
-        self._seen: dict[str, dict[tuple[int, str], set[int]]] = {}
+        # engine_id -> (decode TP, decode group or "", its engine or "") -> ranks
+        self._seen: dict[str, dict[tuple[int, str, str], set[int]]] = {}
         self._seen_ranks = 0
         self._parsed: dict[str, Event] = {}
         self._stored: int | None = None  # events in the store, as last counted plus written
@@ -206,7 +206,9 @@ class EventLog:
         remembered is bounded (``SEEN_LIMIT`` ranks in all), and so is what an event lists
         (``LIST_ITEMS`` ranks of each kind, with ``decode_rank_count``). ``decode`` names
         the asking side (``group_id``, ``engine_id``) when it said."""
-        side = (decode_tp_size, (decode or {}).get("group_id", ""))
+        asking = decode or {}
+        # The decode's engine is part of the side: a relaunched decode group is recorded anew.
+        side = (decode_tp_size, asking.get("group_id", ""), asking.get("engine_id", ""))
         key = (engine_id, *side)
         by_tp = self._seen.get(engine_id)
         ranks = None if by_tp is None else by_tp.get(side)

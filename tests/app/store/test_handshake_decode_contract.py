@@ -155,3 +155,21 @@ def test_the_recorded_decode_is_the_verified_one(api: httpx.Client) -> None:
         (e["fields"]["decode_group_id"], e["fields"]["decode_engine_id"]) for e in events
     )
     assert sides == sorted([(decode, genuine), (other, other_eid)]), events
+
+
+@pytest.mark.timeout(60)
+def test_a_relaunched_decode_group_is_recorded_with_its_new_engine(api: httpx.Client) -> None:
+    prefill = ready_prefill(api)
+    decode = gid("d")
+    first = opened(api, decode, "decode")
+    assert shake(api, prefill, {"group_id": decode, "engine_id": first}).is_success
+    second = opened(api, decode, "decode")
+    assert shake(api, prefill, {"group_id": decode, "engine_id": second}).is_success
+    deadline = time.monotonic() + EVENT_WAIT_S
+    while True:
+        events = handshake_events(api, prefill)
+        if len(events) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    recorded = sorted(e["fields"]["decode_engine_id"] for e in events)
+    assert recorded == sorted([first, second]), events
