@@ -222,12 +222,13 @@ def install(
             why = f"remote PP {remote_pp_size} / DCP {remote_dcp_size} is not planned by it"
             return side_channel(host, port, why, *rest, **kwargs)
         base, _ = split_dp_suffix(str(expected_engine_id))
+        decode_engine, _ = split_dp_suffix(side.engine_id)  # the registry's id, checked there
         t0 = time.perf_counter()
         try:
             with common.client(settings, timeout_s=HANDSHAKE_S) as client:
                 planned = client.handshake(
                     base, tp_size=side.tp_size, rank=side.rank, compat=side.compat,
-                    decode={"group_id": side.group_id, "engine_id": side.engine_id},
+                    decode={"group_id": side.group_id, "engine_id": decode_engine},
                     timeout_s=HANDSHAKE_S,
                 )  # fmt: skip
         except NotFound as exc:

@@ -97,13 +97,14 @@ class Worker:
             self.loaded.append(sock.recv_multipart()[0])
 
 
-def handshake(registry: RegistryProcess, prefill: str) -> Worker:
+def handshake(registry: RegistryProcess, prefill: str, dp_suffix: str = "") -> Worker:
     with RegistryClient(registry.url) as client:
         decode, _ = client.open_engine(
             f"d-{uuid.uuid4().hex[:8]}", launch_id=uuid.uuid4().hex, tp_size=1, role="decode"
         )
     worker = Worker()
-    side = via_registry.DecodeSide(1, 0, {"block_size": 16}, decode.group_id, decode.engine_id)
+    engine_id = decode.engine_id + dp_suffix  # vLLM's id of a data-parallel rank
+    side = via_registry.DecodeSide(1, 0, {"block_size": 16}, decode.group_id, engine_id)
     settings = PluginSettings(url=registry.url, group=decode.group_id)
     assert via_registry.install(worker, settings, side)
     worker._nixl_handshake("127.0.0.1", free_port(), 1, prefill)
@@ -115,6 +116,8 @@ def test_a_sane_payload_reaches_vllm(registry: RegistryProcess) -> None:
     with RegistryClient(registry.url) as client:
         prefill = publish(client, blob)
     assert handshake(registry, prefill).loaded == [blob]
+    # A data-parallel decode names its registry engine (vLLM's "_dp<N>" suffix dropped).
+    assert handshake(registry, prefill, "_dp3").loaded == [blob]
 
 
 @pytest.mark.parametrize(
