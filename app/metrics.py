@@ -118,5 +118,13 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.shed = Counter(
+            "registry_shed_requests",
+            "Requests answered 503 overloaded with Retry-After while the registry was "
+            "saturated (REGISTRY_SHED_*), by path.",
+            ["route"],
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

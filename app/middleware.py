@@ -11,6 +11,8 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.metrics import Metrics
+from app.shedding import shedder_of
+from app.store.lease_clock import ARRIVED, IN_FLIGHT
 
 log = logging.getLogger("app.access")
 
@@ -55,6 +57,19 @@ class AccessLogBudget:
         return skipped
 
 
+def arrived(scope: Scope) -> float:
+    """When the request reached the registry (its head read): the instant a heartbeat's
+    leases are judged at (``app/store/lease_clock.py``), set for this request's task."""
+    at: float = scope.setdefault("arrived", time.time())
+    ARRIVED.set(at)
+    return at
+
+
+def is_heartbeat(scope: Scope) -> bool:
+    path: str = scope["path"]
+    return scope["method"] == "POST" and path.endswith("/heartbeat")
+
+
 def request_id_of(scope: Scope) -> str:
     """The client's ``X-Request-ID`` when sane, else a new one; kept in ``scope["state"]``."""
     given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
@@ -84,7 +99,8 @@ def with_request_id(send: Send, request_id: str) -> Send:
 class ObserveMiddleware:
     """Gives each request an id (``X-Request-ID``, kept when the client sends a sane one),
     logs one line per request (within a budget, see :class:`AccessLogBudget`) and counts it
-    by route template."""
+    by route template. It stamps the request's arrival (heartbeats are held in flight for the
+    lease sweeper) and sheds what can wait when the registry is saturated (``app/shedding.py``)."""
 
     def __init__(
         self, app: ASGIApp, metrics: Metrics, access_log: bool = True, access_log_rate: int = 0
@@ -102,6 +118,7 @@ class ObserveMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        at = arrived(scope)
         request_id = request_id_of(scope)
         status = 500
 
@@ -112,9 +129,16 @@ class ObserveMiddleware:
                 add_request_id(message, request_id)
             await send(message)
 
+        shedder = shedder_of(scope)
+        token = IN_FLIGHT.begin(at) if is_heartbeat(scope) else None
         try:
-            await self.app(scope, receive, send_wrapper)
+            if shedder is not None and shedder.sheddable(scope):
+                await shedder.serve(scope, receive, send_wrapper, self.app, self.metrics)
+            else:
+                await self.app(scope, receive, send_wrapper)
         finally:
+            if token is not None:
+                IN_FLIGHT.end(token)
             self.finish(scope, request_id, status, started)
 
     def finish(self, scope: Scope, request_id: str, status: int, started: float) -> None:

@@ -47,13 +47,13 @@ from app.api.hot import HotPath
 from app.api.wire import WireProtocol
 from app.problems import PROBLEM_MEDIA_TYPE
 from app.settings import Settings, is_loopback_host
+from app.shedding import install
 from app.tls import server_context, tls_loop_factory
 from app.watch.stream import TRANSPORT
 
 log = logging.getLogger("app")
 
-# Descriptors kept for the store, logs and the listening socket, below the limit.
-FD_RESERVE = 64
+FD_RESERVE = 64  # descriptors kept for the store, logs and the listening socket
 
 
 def _problem_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
@@ -76,11 +76,9 @@ def _problem_bytes(status: int, reason: str, code: str, detail: str) -> bytes:
 def guarded_protocol(
     header_timeout_s: float, max_header_bytes: int, max_connections: int, body_timeout_s: float
 ) -> type[HttpToolsProtocol]:
-    # One watchdog timer per connection checks all its deadlines (the head, the body, the
-    # keep-alive) and re-arms itself for the next: a request costs no timer of its own. It
-    # fires at most ``period`` apart, which is never longer than the head or body timeout, so
-    # a deadline set meanwhile is met exactly (a keep-alive close may come up to ``period``
-    # late).
+    # One watchdog timer a connection checks its deadlines (head, body, keep-alive), re-armed
+    # at most ``period`` apart (no longer than either timeout, so those are met exactly; a
+    # keep-alive close may come up to ``period`` late): a request costs no timer of its own.
     period = min(header_timeout_s, body_timeout_s)
 
     class GuardedProtocol(WireProtocol):
@@ -370,6 +368,7 @@ GC_THRESHOLD = (10_000, 10, 10)
 
 def serve(app: FastAPI, settings: Settings, tls: ssl.SSLContext | None = None) -> None:
     gc.set_threshold(*GC_THRESHOLD)
+    install(app, settings)  # lease clock and shedding (app/shedding.py)
     options = uvicorn_options(settings)
     if tls is not None:
         # uvicorn marks the scope's scheme https and logs https:// from these; the context

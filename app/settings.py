@@ -104,6 +104,33 @@ class Settings(BaseSettings):
     fast_path: bool = Field(
         True, description="Answer the hot routes without FastAPI's per-request machinery."
     )
+    # Overload (docs/operations.md, "Overload"): app/shedding.py, app/store/lease_clock.py.
+    shed_lag_s: float = Field(
+        0.2,
+        ge=0,
+        description="Shed the sheddable routes while the event loop lags more than this (0: "
+        "never on lag).",
+    )
+    shed_in_flight: int = Field(
+        64, ge=0, description="Shed the sheddable routes past this many being answered (0: no cap)."
+    )
+    shed_retry_after_s: int = Field(
+        2, ge=1, le=300, description="Retry-After of a shed request's 503 overloaded, seconds."
+    )
+    shed_routes: str = Field(
+        "/status,/events,/metrics,/tp-groups,/instances",
+        description="Paths whose GETs are shed under saturation, comma separated (empty: none).",
+    )
+    lease_grace_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="Most a lease's expiry moves for the registry's own stalls and restarts "
+        "since its last renewal (0: no grace).",
+    )
+    loop_stall_s: float = Field(
+        1.0, gt=0, le=60, description="A gap in the event loop longer than this is a stall."
+    )
     otel: bool = Field(
         False,
         description="FastAPI's own OpenTelemetry spans and metrics, for a process with an "

@@ -4,8 +4,9 @@ Policy, in one place:
 
 - Every call has a deadline (`timeout_s`, default the client's). Each HTTP attempt gets what is
   left of it, so no call outlives its deadline by more than a connect timeout's rounding.
-- Connection errors and 503 answers are retried, with exponential backoff and jitter, until
-  the deadline; 4xx answers never are (they are facts, not weather). Every request of the
+- Connection errors, 503 and 429 answers are retried until the deadline, paced by
+  `workers.backoff` (capped exponential, full jitter, a `Retry-After` a floor); other 4xx
+  answers never are (they are facts, not weather). Every request of the
   contract is retry-safe (API.md "Retry-safe"), so a retried write cannot open twice.
 - Several registry URLs (replicas) may be given: a failed attempt moves to the next one at
   once, backoff sleeps only after a full round; the last URL that answered is tried first.
@@ -26,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from workers.backoff import Backoff, retry_after
 from workers.errors import ProblemError, RegistryUnavailable, problem_class
 from workers.models import (
     AgentItem,
@@ -81,6 +83,7 @@ class RegistryClient:
         self._sleep = sleep
         self._clock = clock
         self._preferred = 0
+        self.last_retry_after_s: float | None = None  # the last call's (publication.py)
         headers = {"Accept": "application/json, application/problem+json", "User-Agent": user_agent}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -111,10 +114,6 @@ class RegistryClient:
 
     # -- transport ------------------------------------------------------------------------
 
-    def _backoff(self, round_no: int) -> float:
-        cap = min(self.backoff_max_s, self.backoff_base_s * float(2**round_no))
-        return cap / 2 + self._rng.uniform(0, cap / 2)
-
     def request(
         self,
         method: str,
@@ -134,6 +133,8 @@ class RegistryClient:
         last_exc: Exception | None = None
         last_problem: ProblemError | None = None
         tls_errors: dict[str, Exception] = {}
+        backoff = Backoff(base_s=self.backoff_base_s, cap_s=self.backoff_max_s, rng=self._rng)
+        self.last_retry_after_s = floor = None
         while True:
             index = (self._preferred + attempt) % n
             url = self.urls[index]
@@ -157,13 +158,17 @@ class RegistryClient:
                     self._preferred = index
                     return response
                 problem = self._problem(response, url)
-                if response.status_code != 503:
+                if response.status_code not in (503, 429):
                     self._preferred = index
                     raise problem
                 last_problem = problem
+                after = retry_after(response.headers.get("retry-after"))
+                if after is not None:
+                    self.last_retry_after_s = floor = max(floor or 0.0, after)
             attempt += 1
             if attempt % n == 0:
-                pause = min(self._backoff(attempt // n - 1), deadline - self._clock())
+                pause = min(backoff.next(floor), deadline - self._clock())
+                floor = None
                 if pause <= 0:
                     break
                 self._sleep(pause)

@@ -13,8 +13,11 @@ The loop's rules are the same for both: a heartbeat every `ttl_s * fraction` sec
 launch superseded the engine) stop, log loudly, set `superseded` and call `on_superseded`:
 a rank of an old launch must not keep serving under an id the registry no longer vouches for.
 Any other failure (the registry unreachable, a 503) is logged and the next heartbeat tries
-again: an outage shorter than the lease costs nothing, and a longer one ends in a 404 and a
-new registration. The client retries each call within its deadline (the interval).
+again sooner than the interval, after a pause of `workers.backoff` (full jitter from 1 s,
+doubling up to the interval, at least the registry's `Retry-After`), so that the nodes of a
+fleet that lost their registry come back spread out: an outage shorter than the lease costs
+nothing, and a longer one ends in a 404 and a new registration. The client retries each call
+within its deadline (the interval), paced the same way.
 
 Used by the `torchrun` entrypoints (`workers.launch`, `workers.node`) and by the vLLM plugin
 (`workers.vllm_plugin.worker_side`). Imports neither torch nor numpy (a test checks): the
@@ -27,6 +30,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from workers.backoff import Backoff
 from workers.client import RegistryClient
 from workers.errors import EngineIdMismatch, NotFound, RegistryError
 from workers.models import AgentItem, EngineIdentity, KvSpec
@@ -58,6 +62,8 @@ class LeaseKeeper:
         self.label = label
         self.ttl_s = ttl_s
         self.interval_s = max(0.2, ttl_s * fraction)
+        self._backoff = Backoff(base_s=min(1.0, self.interval_s), cap_s=self.interval_s)
+        self.pause_s = self.interval_s  # until the next heartbeat
         self.on_superseded = on_superseded
         self.superseded = threading.Event()
         self.reregistrations = 0
@@ -92,7 +98,7 @@ class LeaseKeeper:
 
     def run(self) -> None:
         """The loop, in the caller's thread (`start()` runs it in its own)."""
-        while not self._wait(self.interval_s):
+        while not self._wait(self.pause_s):
             if not self.beat():
                 return
 
@@ -102,8 +108,11 @@ class LeaseKeeper:
         try:
             self._renew(client, self.interval_s)
             self.heartbeats += 1
+            self._backoff.reset()
+            self.pause_s = self.interval_s
         except NotFound as exc:
             log.warning("%s: agent lease gone (404: %s); registering again", self.label, exc.detail)
+            self.pause_s = self.interval_s
             try:
                 self.publish(client)
                 self.reregistrations += 1
@@ -125,7 +134,10 @@ class LeaseKeeper:
         except RegistryError as exc:
             # Keep trying: a registry outage shorter than the lease costs nothing.
             self.failures += 1
-            log.warning("%s: heartbeat failed: %s", self.label, exc)
+            self.pause_s = self._backoff.next(client.last_retry_after_s)
+            log.warning(
+                "%s: heartbeat failed: %s; next try in %.1f s", self.label, exc, self.pause_s
+            )
         return True
 
     def close(self, *, deregister: bool = True) -> None:

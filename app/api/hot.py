@@ -47,9 +47,10 @@ from app.api.fastpath import (
 )
 from app.auth import AuthMiddleware, acting, required_role
 from app.errors import HttpProblem, RegistryError, at_edge
-from app.middleware import ObserveMiddleware, request_id_of
+from app.middleware import ObserveMiddleware, arrived, is_heartbeat, request_id_of
 from app.problems import problem_answer
 from app.store import Unavailable
+from app.store.lease_clock import IN_FLIGHT
 
 log = logging.getLogger("app")
 
@@ -123,6 +124,7 @@ class HotPath:
         answer it (``Fallback``: the request is not the fast path's to answer)."""
         handler, route, segments = taken
         scope["app"] = self.app
+        arrived(scope)  # in this request's task: its renewals are judged at its arrival
         request_id = request_id_of(scope)
         acting(scope)  # in this request's task: the events it causes name its token
         try:
@@ -184,7 +186,11 @@ class HotPath:
                 await self.inner(scope, replayed(raw, receive), send)
                 return
         started = time.perf_counter()
-        answer = await self.answer(scope, taken, raw)
+        token = IN_FLIGHT.begin(arrived(scope)) if is_heartbeat(scope) else -1
+        try:
+            answer = await self.answer(scope, taken, raw)
+        finally:
+            IN_FLIGHT.end(token)
         if answer is None:
             await self.inner(scope, replayed(raw, receive), send)
             return

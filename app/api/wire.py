@@ -30,6 +30,8 @@ from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.api.hot import HotPath, Taken
+from app.middleware import is_heartbeat
+from app.store.lease_clock import IN_FLIGHT
 
 
 class _Answering(RequestResponseCycle):
@@ -48,6 +50,11 @@ class WireProtocol(HttpToolsProtocol):
     _hot: tuple[Taken, list[bytes]] | None = None
     _answering: _Answering | None = None
     _handed_on: RequestResponseCycle | None = None  # a cold answer not in self.cycle
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # A request's first byte: the instant its renewals are judged at (lease_clock.py).
+        self.scope["arrived"] = time.time()  # type: ignore[typeddict-unknown-key]
 
     def _hot_begin(self) -> bool:
         """At the end of a request's head: take it when it is a hot route's (see the module)."""
@@ -115,6 +122,8 @@ class WireProtocol(HttpToolsProtocol):
         hot = self.app
         assert isinstance(hot, HotPath)
         self.cycle = answering = self._answering = _Answering()
+        if is_heartbeat(scope):  # the sweeper spares the leases it reached in time
+            scope["in_flight"] = IN_FLIGHT.begin(scope["arrived"])
         task = self.loop.create_task(self._hot_answer(hot, scope, taken, raw, answering))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -127,6 +136,7 @@ class WireProtocol(HttpToolsProtocol):
         try:
             answer = await hot.answer(scope, taken, raw)  # every Exception is a problem answer
         finally:
+            IN_FLIGHT.end(scope.get("in_flight", -1))
             if self._answering is answering:
                 self._answering = None
         if answering.disconnected or self.transport.is_closing():

@@ -24,15 +24,16 @@ import heapq
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
-from app.store.base import Compare, Entry, Lease, Op, Put, Snapshot, Store, TxnResult, Unavailable
+from app.store.base import Compare, Entry, Op, Put, Snapshot, Store, TxnResult, Unavailable
+from app.store.lease_clock import StoredLease, expiry_heap, extend, last_served, sweep_cutoff
 from app.store.sqlite_file import Change, FileFailure, FileLocked, Loaded, SqliteFile
 from app.store.sqlite_history import History
+from app.store.sqlite_leases import LeasesMixin
 from app.store.sqlite_pending import Pending
 from app.store.sqlite_thread import FileThread
 from app.store.waiters import Waiters
@@ -45,14 +46,7 @@ log = logging.getLogger("app.store")
 __all__ = ["FileLocked", "SqliteStore"]
 
 
-@dataclass(slots=True)
-class _Lease:
-    ttl_s: int
-    expires_at: float
-    keys: set[str] = field(default_factory=set)
-
-
-class SqliteStore(Store):
+class SqliteStore(LeasesMixin, Store):
     def __init__(
         self,
         path: str | Path,
@@ -76,7 +70,7 @@ class SqliteStore(Store):
         self._kv: dict[str, Entry] = {}
         # For prefix ranges; a list's insort moved every later key (64 us a key at 200,000).
         self._keys: SortedList[str] = SortedList()
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, StoredLease] = {}
         self._expiry: list[tuple[float, int]] = []  # heap; stale items are skipped
         self._revision = 0
         self._next_lease = 1
@@ -91,6 +85,7 @@ class SqliteStore(Store):
         self._history = History(history)
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
+        self._stalls_seen = -1  # the loop's stalls credited to the leases (lease_clock.py)
 
     # -- loading and failures --------------------------------------------------------------
 
@@ -107,12 +102,16 @@ class SqliteStore(Store):
         self._dirty = set()
         self._kv = {e.key: e for e in loaded.entries}
         self._keys = SortedList(e.key for e in loaded.entries)
-        self._leases = {i: _Lease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
+        self._leases = {i: StoredLease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
         for entry in loaded.entries:
             if entry.lease is not None and entry.lease in self._leases:
                 self._leases[entry.lease].keys.add(entry.key)
-        self._expiry = [(lease.expires_at, i) for i, lease in self._leases.items()]
-        heapq.heapify(self._expiry)
+        served = last_served(self._leases)
+        if not self._loaded and served is not None and served < time.time():
+            # A restart is a stall: the leases' clock stopped while no process served them.
+            extend(self._leases, served, time.time() - served)
+            self._dirty = set(self._leases)
+        self._expiry = expiry_heap(self._leases)
         if not self._loaded:  # a reload after a failed commit keeps what is durable
             self._history.reset(loaded.revision)
         self._revision, self._next_lease = loaded.revision, loaded.next_lease
@@ -216,19 +215,19 @@ class SqliteStore(Store):
         if settled and key in self._pending.keys:
             await self._pending.settle_keys([key])
         entry = self._kv.get(key)
-        return entry if entry is not None and self._alive(entry, time.time()) else None
+        return entry if entry is not None and self._alive(entry, self._now()) else None
 
     def peek(self, keys: Sequence[str]) -> list[Entry | None] | None:
         if self._failure is not None or not self._loaded or not self._pending.settled(keys):
             return None
-        now = time.time()
+        now = self._now()
         return [e if (e := self._kv.get(k)) and self._alive(e, now) else None for k in keys]
 
     async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
         await self._usable()
         if settled:
             await self._pending.settle_prefix(prefix)
-        now = time.time()
+        now = self._now()
         entries = [e for k in self._under(prefix) if self._alive(e := self._kv[k], now)]
         remaining = {
             e.lease: self._leases[e.lease].expires_at - now for e in entries if e.lease is not None
@@ -240,7 +239,7 @@ class SqliteStore(Store):
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
         await self._usable()
         self._pending.writable()
-        now = time.time()
+        now = self._now()
         for cmp in compares:
             entry = self._kv.get(cmp.key)
             current = entry.mod_revision if entry is not None and self._alive(entry, now) else 0
@@ -266,39 +265,6 @@ class SqliteStore(Store):
         await self._pending.durable(fut)
         return TxnResult(True, change.revision)
 
-    async def grant_lease(self, ttl_s: int) -> Lease:
-        await self._usable()
-        self._pending.writable()
-        lease_id = self._next_lease
-        self._next_lease += 1
-        expires_at = time.time() + ttl_s
-        self._leases[lease_id] = _Lease(ttl_s, expires_at)
-        heapq.heappush(self._expiry, (expires_at, lease_id))
-        # Written with the next change (the transaction that puts keys on it, or the sweep
-        # within sweep_interval_s), as renewals are: a key is never durable on a lease that is
-        # not, and a registration costs one commit, not two.
-        self._dirty.add(lease_id)
-        return Lease(lease_id, ttl_s, float(ttl_s))
-
-    async def refresh_lease(self, lease_id: int) -> Lease | None:
-        """Renew in memory; the expiry reaches the file with the next commit or sweep, within
-        ``sweep_interval_s`` (as etcd checkpoints keep-alives). After a crash a lease may end
-        up to that much early: its rank's next heartbeat answers 404 and it registers again."""
-        await self._usable()
-        lease = self._leases.get(lease_id)
-        now = time.time()
-        if lease is None or lease.expires_at <= now:
-            return None
-        lease.expires_at = now + lease.ttl_s
-        heapq.heappush(self._expiry, (lease.expires_at, lease_id))
-        self._dirty.add(lease_id)
-        return Lease(lease_id, lease.ttl_s, float(lease.ttl_s))
-
-    def _checkpoint(self) -> list[tuple[int, int, float]]:
-        dirty, self._dirty = self._dirty, set()
-        leases = ((i, self._leases.get(i)) for i in dirty)
-        return [(i, lease.ttl_s, lease.expires_at) for i, lease in leases if lease is not None]
-
     def _end_leases(self, lease_ids: Iterable[int]) -> list[str]:
         """Drop the leases and their keys in one change; the keys that went."""
         self._revision += 1
@@ -317,7 +283,8 @@ class SqliteStore(Store):
     async def purge_expired(self) -> int:
         """Delete expired leases and their entries now (waking waiters); how many keys went."""
         await self._usable()
-        now = time.time()
+        self._now()  # any stall credited first
+        now = sweep_cutoff(time.time())
         expired: list[int] = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
@@ -351,12 +318,6 @@ class SqliteStore(Store):
         if any(self._kv[k].mod_revision > after_revision for k in self._under(prefix)):
             return True
         return await self._waiters.wait(prefix, timeout_s)
-
-    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
-        now = time.time()
-        return {
-            i: (lease.expires_at - now if (lease := self._leases.get(i)) else 0.0) for i in leases
-        }
 
     async def changes(
         self,

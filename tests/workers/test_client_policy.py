@@ -139,8 +139,32 @@ def test_503_is_retried_with_growing_backoff_until_it_succeeds() -> None:
     engine = client.get_engine("g")
     assert engine.engine_id == "e1"
     assert len(fake.sleeps) == 2
-    # Exponential with jitter: the first pause lies in [0.05, 0.1], the second in [0.1, 0.2].
-    assert 0.05 <= fake.sleeps[0] <= 0.1 <= fake.sleeps[1] <= 0.2
+    # workers.backoff: full jitter under a doubling cap, [0, 0.1] then [0, 0.2].
+    assert 0 <= fake.sleeps[0] <= 0.1
+    assert 0 <= fake.sleeps[1] <= 0.2
+
+
+def test_pauses_are_full_jitter_and_a_retry_after_is_their_floor() -> None:
+    overloaded = problem(503, "overloaded")
+    overloaded.headers["retry-after"] = "2"
+    ok = httpx.Response(200, json=ENGINE)
+    answers = iter([overloaded, problem(429, "too_many_requests"), ok])
+    client, fake = make_client(lambda r: next(answers), timeout_s=10)
+    assert client.get_engine("g").engine_id == "e1"
+    assert len(fake.sleeps) == 2  # the 429 was retried too
+    assert 2.0 <= fake.sleeps[0] <= 2.1, "Retry-After: 2 is the first pause's floor"
+    assert fake.sleeps[1] <= 0.2  # a later answer without one: back to the jittered pause
+    assert client.last_retry_after_s == 2.0
+    # Full jitter: across many clients the first pause spreads over the whole window.
+    firsts: list[float] = []
+    for seed in range(200):
+        script = iter([problem(503, "store_unavailable"), httpx.Response(200, json=ENGINE)])
+        transport = httpx.MockTransport(lambda r, script=script: next(script))
+        c = RegistryClient("http://a", transport=transport, rng=random.Random(seed),
+                           sleep=firsts.append)  # fmt: skip
+        c.get_engine("g")
+    assert min(firsts) < 0.02, min(firsts)
+    assert max(firsts) > 0.08, max(firsts)
 
 
 def test_a_503_that_outlasts_the_deadline_raises_the_last_problem() -> None:

@@ -1,0 +1,172 @@
+"""When a lease's clock runs: a renewal is judged at its arrival, and not during the
+registry's own stalls.
+
+A lapse must mean the rank stopped renewing, never that the registry was too slow to serve
+its renewal. Two rules make it so on the embedded store (etcd gives the second itself: a new
+leader gives every lease a fresh ttl):
+
+- **Arrival.** The edge stamps each request when its head is read (``ARRIVED``, a context
+  variable of the request's task) and holds heartbeats in ``IN_FLIGHT`` until answered. A
+  renewal, and the reads it makes, judge a lease's expiry at that instant, so a heartbeat that
+  reached the registry before its lease ran out renews it however long it then waited for the
+  loop; the sweeper purges only leases that expired before the oldest heartbeat still in
+  flight arrived (at most ``grace_s`` back).
+- **Stalls.** A timer on the event loop (``LoopWatch``, every ``TICK_S``) notes when the loop
+  last ran. A gap longer than ``stall_s`` (the process stopped or starved: a heartbeat sent then
+  waited in the kernel) is a stall: every lease live when it began gets the stall's length
+  added to its expiry, at most ``grace_s`` in all since the lease's last renewal. A restart is a
+  stall too: the time since the file's latest renewal. The gap is found by the timer or by the
+  first lease judgement after it, whichever runs first, so a heartbeat queued during the stall
+  is judged after the credit.
+
+A dead rank is therefore found within its ttl plus ``grace_s`` at most, and only when the
+registry itself stalled; otherwise within its ttl, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+# When the request being served reached the registry (time.time()); None outside requests.
+ARRIVED: contextvars.ContextVar[float | None] = contextvars.ContextVar("arrived", default=None)
+
+TICK_S = 0.05  # the loop watch's period
+
+
+@dataclass
+class LeaseClock:
+    """The process's lease clock settings (``serve`` sets them from REGISTRY_*)."""
+
+    grace_s: float = 60.0  # most a lease's expiry moves for stalls since its last renewal
+    stall_s: float = 1.0  # a gap in the loop longer than this is a stall
+
+
+CLOCK = LeaseClock()
+
+
+@dataclass(slots=True)
+class StoredLease:
+    ttl_s: int
+    expires_at: float
+    keys: set[str] = field(default_factory=set)
+    grace: float = 0.0  # added to expires_at for stalls since the last renewal
+
+
+class InFlight:
+    """Heartbeats received and not yet answered, by arrival (oldest first: dict order)."""
+
+    def __init__(self) -> None:
+        self._arrivals: dict[int, float] = {}
+        self._ids = itertools.count()
+
+    def begin(self, arrived: float) -> int:
+        token = next(self._ids)
+        self._arrivals[token] = arrived
+        return token
+
+    def end(self, token: int) -> None:
+        self._arrivals.pop(token, None)
+
+    def oldest(self) -> float | None:
+        for arrived in self._arrivals.values():
+            return arrived
+        return None
+
+    def __len__(self) -> int:
+        return len(self._arrivals)
+
+
+IN_FLIGHT = InFlight()
+
+
+class LoopWatch:
+    """A timer on the running loop: its lateness is the loop's lag (the shedding signal) and
+    a gap past ``CLOCK.stall_s`` is a stall (the lease grace). One a loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lag = 0.0  # the last tick's lateness, seconds
+        self.stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (began, seconds), wall
+        self.count = 0  # stalls seen in all
+        self._last = time.monotonic()  # the loop last seen running
+        self._due = self._last + TICK_S
+        self._handle = loop.call_later(TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.lag = max(0.0, now - self._due)
+        self.note(now)
+        self._due = now + TICK_S
+        self._handle = self.loop.call_later(TICK_S, self._tick)
+
+    def lag_now(self) -> float:
+        """The loop's lag: the last tick's, or the current tick's if it is already late."""
+        return max(self.lag, time.monotonic() - self._due)
+
+    def note(self, now: float | None = None) -> None:
+        """The loop runs now: a gap since it was last seen running past the threshold is a stall."""
+        now = time.monotonic() if now is None else now
+        gap, self._last = now - self._last, now
+        if gap > CLOCK.stall_s:
+            self.stalls.append((time.time() - gap, gap))
+            self.count += 1
+
+    def since(self, seen: int) -> Iterator[tuple[float, float]]:
+        """The stalls after the first ``seen`` (the oldest kept, if more were lost)."""
+        new = min(self.count - seen, len(self.stalls))
+        yield from itertools.islice(self.stalls, len(self.stalls) - new, None)
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
+_WATCHES: dict[asyncio.AbstractEventLoop, LoopWatch] = {}
+
+
+def loop_watch() -> LoopWatch:
+    """The running loop's watch, started on first use."""
+    loop = asyncio.get_running_loop()
+    watch = _WATCHES.get(loop)
+    if watch is None or watch.loop.is_closed():
+        for old in [w for w in _WATCHES.values() if w.loop.is_closed()]:
+            del _WATCHES[old.loop]
+        watch = _WATCHES[loop] = LoopWatch(loop)
+    return watch
+
+
+def extend(leases: dict[int, StoredLease], began: float, seconds: float) -> int:
+    """Every lease live at ``began`` gets ``seconds`` more (within ``CLOCK.grace_s`` since its
+    last renewal); how many moved."""
+    moved = 0
+    for lease in leases.values():
+        if lease.expires_at > began and lease.grace < CLOCK.grace_s:
+            more = min(seconds, CLOCK.grace_s - lease.grace)
+            lease.expires_at += more
+            lease.grace += more
+            moved += 1
+    return moved
+
+
+def expiry_heap(leases: dict[int, StoredLease]) -> list[tuple[float, int]]:
+    heap = [(lease.expires_at, i) for i, lease in leases.items()]
+    heapq.heapify(heap)
+    return heap
+
+
+def last_served(leases: dict[int, StoredLease]) -> float | None:
+    """When the store last renewed or granted a lease, as its persisted expiries tell."""
+    return max((lease.expires_at - lease.ttl_s for lease in leases.values()), default=None)
+
+
+def sweep_cutoff(now: float) -> float:
+    """Leases that expired before this instant may go: none a heartbeat in flight reached in
+    time (bounded by ``CLOCK.grace_s``)."""
+    oldest = IN_FLIGHT.oldest()
+    return now if oldest is None else max(min(now, oldest), now - CLOCK.grace_s)

@@ -1,0 +1,116 @@
+"""The SQLite store's lease clock (app/store/lease_clock.py) on a real file: a renewal is
+judged at its request's arrival, the sweeper spares a lease a heartbeat in flight reached in
+time, a stall of the event loop stops every live lease's clock (bounded by the grace), and
+a restart is such a stall."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from app.store import Put
+from app.store.lease_clock import ARRIVED, CLOCK, IN_FLIGHT
+from app.store.sqlite import SqliteStore
+
+pytestmark = [pytest.mark.store, pytest.mark.timeout(60)]
+
+
+def _stall_the_loop(seconds: float) -> None:
+    """Block the event loop, as a stopped or starved registry process is."""
+    time.sleep(seconds)
+
+
+async def _store_with_lease(path: Path, ttl_s: int = 5) -> tuple[SqliteStore, int]:
+    store = SqliteStore(path, sweep_interval_s=3600)  # sweeps only when the test asks
+    await store.start()
+    lease = await store.grant_lease(ttl_s)
+    assert (await store.txn([], [Put("agent/0", b"x", lease.id)])).succeeded
+    return store, lease.id
+
+
+def test_a_renewal_that_arrived_before_expiry_renews(tmp_path: Path) -> None:
+    async def main() -> None:
+        store, lease_id = await _store_with_lease(tmp_path / "r.db")
+        try:
+            arrived = time.time()
+            store._leases[lease_id].expires_at = arrived + 0.2  # reached 0.2 s before expiry
+            await asyncio.sleep(0.4)  # ... and waited past it in the registry's queue
+            token = IN_FLIGHT.begin(arrived)
+            try:
+                assert await store.purge_expired() == 0, "purged under a heartbeat in flight"
+                ARRIVED.set(arrived)
+                renewed = await store.refresh_lease(lease_id)
+            finally:
+                IN_FLIGHT.end(token)
+            assert renewed is not None, "a heartbeat that arrived in time was refused"
+            ARRIVED.set(None)
+            assert await store.get("agent/0") is not None
+            # One that arrived after the expiry is refused, as before.
+            store._leases[lease_id].expires_at = time.time() - 0.1
+            ARRIVED.set(time.time())
+            assert await store.refresh_lease(lease_id) is None
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_stall_of_the_loop_stops_the_leases_clock(tmp_path: Path) -> None:
+    async def main() -> None:
+        store, lease_id = await _store_with_lease(tmp_path / "s.db")
+        try:
+            await asyncio.sleep(0.1)  # the loop's watch is running
+            store._leases[lease_id].expires_at = time.time() + 0.5
+            _stall_the_loop(CLOCK.stall_s + 0.5)  # past the lease's expiry
+            assert await store.get("agent/0") is not None, "lapsed by the registry's stall"
+            left = store._leases[lease_id].expires_at - time.time()
+            assert 0.2 < left <= 0.5 + 0.05, left  # what it had left when the stall began
+            assert await store.refresh_lease(lease_id) is not None
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_the_grace_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CLOCK, "grace_s", 0.3)
+
+    async def main() -> None:
+        store, lease_id = await _store_with_lease(tmp_path / "b.db")
+        try:
+            await asyncio.sleep(0.1)
+            store._leases[lease_id].expires_at = time.time() + 0.2
+            _stall_the_loop(CLOCK.stall_s + 0.5)  # longer than the lease left + the grace
+            assert await store.get("agent/0") is None
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_restart_is_a_stall(tmp_path: Path) -> None:
+    path = tmp_path / "restart.db"
+
+    async def first() -> float:
+        store, lease_id = await _store_with_lease(path, ttl_s=5)
+        left = store._leases[lease_id].expires_at - time.time()
+        await store.close()
+        return left
+
+    async def second() -> float | None:
+        store = SqliteStore(path, sweep_interval_s=3600)
+        await store.start()
+        try:
+            entry = await store.get("agent/0")
+            return None if entry is None else store._leases[entry.lease or 0].expires_at
+        finally:
+            await store.close()
+
+    left = asyncio.run(first())
+    time.sleep(6)  # down longer than the lease had left
+    expires_at = asyncio.run(second())
+    assert expires_at is not None, "the lease lapsed while no registry served it"
+    assert expires_at - time.time() == pytest.approx(left - 0.0, abs=1.0)
