@@ -17,10 +17,11 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
 
     cmd = sub.add_parser(
         "router-sync",
-        help="keep running routers (vllm-router) in step with the registry's instances",
+        help="keep running routers (vllm-router, smg) in step with the registry's instances",
         description="Follows the registry's watch stream and announces every ready prefill "
         "and decode instance that published where it serves to each router's discovery "
-        "address; an instance the registry stops offering leaves the router within ~5 s. "
+        "address (vllm-router; an instance the registry stops offering leaves it within "
+        "~5 s) or registers it through its worker API (smg; withdrawn by DELETE at once). "
         "Exit codes: 0 stopped (SIGTERM, SIGINT); 2 usage, or the token was refused.",
     )
     cmd.add_argument(
@@ -35,6 +36,38 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
         default=[],
         metavar="HOST:PORT",
         help="a vllm-router's --vllm-discovery-address; repeat for several routers",
+    )
+    cmd.add_argument(
+        "--smg",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an smg gateway's URL (its worker API: POST/GET/DELETE /workers); repeat for several",
+    )
+    cmd.add_argument(
+        "--smg-api-key",
+        default=os.environ.get("SMG_API_KEY") or None,
+        help="bearer key for smg's worker API: an admin key of its --control-plane-api-keys, "
+        "or its --api-key (SMG_API_KEY)",
+    )
+    cmd.add_argument(
+        "--smg-ca",
+        default=os.environ.get("SMG_CA") or None,
+        help="PEM CA bundle that signed an https:// smg's certificate (SMG_CA; default: the "
+        "system trust store)",
+    )
+    cmd.add_argument(
+        "--smg-own",
+        action="store_true",
+        help="router-sync owns smg's worker list: it also withdraws workers it did not add",
+    )
+    cmd.add_argument(
+        "--smg-drain",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="seconds smg keeps a withdrawn worker draining (no new requests, in-flight ones "
+        "finish) before it leaves its list (default 0: at once)",
     )
     cmd.add_argument("--model", help="offer instances of this served model only "
                      "(default: the oldest decode instance's)")  # fmt: skip
@@ -59,6 +92,9 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
     cmd.set_defaults(func=command)
 
 
+ROUTER_EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
+
+
 def _grace_default() -> float:
     from app.router_sync import DEFAULT_GRACE_S
 
@@ -71,12 +107,21 @@ def _grace_default() -> float:
 
 def command(args: argparse.Namespace) -> int:
     from app.cli import client_tls
-    from app.router_sync import check_grace, check_interval, run
+    from app.router_sync import run
     from workers.client import RegistryClient
     from workers.errors import Forbidden, Unauthorized
 
-    problems = [] if args.vllm_router else ["name at least one router: --vllm-router HOST:PORT"]
+    problems = (
+        []
+        if args.vllm_router or args.smg
+        else ["name at least one router: --vllm-router HOST:PORT or --smg URL"]
+    )
     problems += [p for p in [check_interval(args.interval), check_grace(args.grace)] if p]
+    problems += [
+        f"--smg {url!r} is not http(s)://host:port" for url in args.smg if not _http_url(url)
+    ]
+    if not 0 <= args.smg_drain <= 3600:
+        problems.append(f"--smg-drain {args.smg_drain} must be 0 to 3600 seconds")
     for address in args.vllm_router:
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -108,9 +153,52 @@ def command(args: argparse.Namespace) -> int:
             "router-sync: registry not answering yet (%s); retrying", exc
         )
     try:
+        smgs = _smgs(args)
+    except ValueError as exc:
+        print(f"engine-registry router-sync: {exc}", file=sys.stderr)
+        return 2
+    try:
         return run(
             client, args.vllm_router, model=args.model, interval_s=args.interval, stop=stop,
-            alive_file=args.alive_file, grace_s=args.grace,
+            alive_file=args.alive_file, grace_s=args.grace, smgs=smgs,
         )  # fmt: skip
     finally:
         client.close()
+
+
+def _http_url(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def _smgs(args: argparse.Namespace) -> list[Any]:
+    from app.router_smg import Smg
+    from workers.tls import ClientTLS
+
+    verify: Any = True
+    if args.smg_ca:
+        verify = ClientTLS(Path(args.smg_ca), None, None, ca_name="--smg-ca").context
+    return [
+        Smg(url, api_key=args.smg_api_key, verify=verify, own=args.smg_own, drain_s=args.smg_drain)
+        for url in args.smg
+    ]
+
+
+def check_grace(grace_s: float) -> str | None:
+    if not 2.0 <= grace_s <= 3600.0:  # NaN too
+        return (
+            f"--grace {grace_s:g} (or ROUTER_SYNC_GRACE_S) must be a number of seconds from 2 "
+            "to 3600, above the registry's bookmark interval (REGISTRY_WATCH_BOOKMARK_S, 5 s)"
+        )
+    return None
+
+
+def check_interval(interval_s: float) -> str | None:
+    if not 0.05 <= interval_s < ROUTER_EXPIRY_S:
+        return (
+            f"--interval {interval_s:g} must be from 0.05 to below {ROUTER_EXPIRY_S:g} s "
+            "(vllm-router forgets an instance it has not heard of for 5 s)"
+        )
+    return None

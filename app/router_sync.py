@@ -18,7 +18,9 @@ While the watch is blind (no registry answers, or it refuses the token), the rou
 being told the last list for ``grace_s`` (`--grace`); past it nothing is offered, so the routers
 forget every instance within their 5 s expiry, ``alive_file`` is no longer touched (its probe
 fails), and one line says so with the cause. The watch coming back ends it. The sends are
-`app.router_feed`'s; the retries of the watch, `workers.backoff.Backoff`'s.
+`app.router_feed`'s; the retries of the watch, `workers.backoff.Backoff`'s. smg gateways are
+fed through their worker API instead (`app.router_smg`: register, withdraw by DELETE, one round
+at once on each change of the registry).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from app.compat import mismatches
 from app.router_feed import VllmRouter, announce
 
 if TYPE_CHECKING:
+    from app.router_smg import Smg
     from workers.backoff import Backoff
 
 log = logging.getLogger("engine_registry.router_sync")
@@ -77,18 +80,21 @@ class Offered:
         )
 
 
-def _address(url: str) -> str | None:
+def _address(url: str, schemes: Sequence[str] = ("http",)) -> str | None:
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+    if parts.scheme not in schemes or not parts.hostname or parts.port is None:
         return None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{host}:{parts.port}"
 
 
-def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offered], dict[str, str]]:
+def offer(
+    engines: Iterable[Any], model: str | None = None, schemes: Sequence[str] = ("http",)
+) -> tuple[list[Offered], dict[str, str]]:
     """(what routers are told, why each other published group is not: group -> cause).
 
-    ``engines``: `workers.models.Engine` objects (their ``raw`` carries ``serving``)."""
+    ``engines``: `workers.models.Engine` objects (their ``raw`` carries ``serving``);
+    ``schemes``: the URL schemes the router speaks (smg's feed adds ``grpc``)."""
     left_out: dict[str, str] = {}
     serving: list[tuple[Any, dict[str, Any]]] = []
     for engine in sorted(engines, key=lambda e: (e.created_at, e.group_id)):
@@ -97,8 +103,10 @@ def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offere
             continue
         if not engine.ready:
             left_out[engine.group_id] = f"not ready (missing ranks {engine.missing_ranks})"
-        elif _address(str(published["url"])) is None:
-            left_out[engine.group_id] = f"url {published['url']!r} is not http://host:port"
+        elif _address(str(published["url"]), schemes) is None:
+            left_out[engine.group_id] = (
+                f"url {published['url']!r} is not {'|'.join(schemes)}://host:port"
+            )
         else:
             serving.append((engine, published))
     if model is None:  # the oldest decode instance's
@@ -125,7 +133,7 @@ def offer(engines: Iterable[Any], model: str | None = None) -> tuple[list[Offere
         if differ:
             left_out[engine.group_id] = "incompatible: " + "; ".join(differ[:3])
             continue
-        address = _address(str(published["url"]))
+        address = _address(str(published["url"]), schemes)
         assert address is not None
         bootstrap = str(published.get("bootstrap") or address)
         kinds = {"prefill": "P", "decode": "D", "both": "PD"}[engine.role]
@@ -161,6 +169,7 @@ class Groups:
         self.lock = threading.Lock()
         self.engines: dict[str, Any] = {}
         self.synced = threading.Event()
+        self.changed = threading.Event()  # set by each event: a round runs at once (smg)
         self.revision = 0
         self.clock = clock
         self.heard = clock()
@@ -177,6 +186,7 @@ class Groups:
                 self.engines.pop(event.engine.group_id, None)
             elif event.engine is not None:
                 self.engines[event.engine.group_id] = event.engine
+        self.changed.set()
 
     def failed(self, cause: str) -> None:
         with self.lock:
@@ -320,11 +330,15 @@ def run(
     stop: threading.Event,
     alive_file: Path | None = None,
     grace_s: float = DEFAULT_GRACE_S,
+    smgs: Sequence[Smg] = (),
 ) -> int:
     """Follow the registry and feed the routers until ``stop``; 0 then. ``alive_file``:
     touched after each round once synced with the registry, while not blind past
-    ``grace_s`` (an exec probe reads its age)."""
+    ``grace_s`` (an exec probe reads its age). ``smgs``: smg gateways fed through their
+    worker API (`app.router_smg`); a round runs at once on each change of the registry."""
     import zmq
+
+    from app.router_smg import SmgFeeds
 
     context = zmq.Context()
     routers = [VllmRouter(address, context) for address in router_addresses]
@@ -336,45 +350,40 @@ def run(
     )  # fmt: skip
     watcher.start()
     announcer = Announcer(routers, model, deadline_s=interval_s)
+    feeds = SmgFeeds(smgs, model)
     sight = Sight(grace_s, alive_file)
+    names = [f"vllm-router {a}" for a in router_addresses] + [f"smg {s.url}" for s in smgs]
     log.warning(
         "router-sync: following %s for %s (every %.1f s, grace %g s)",
-        client.url, ", ".join(f"vllm-router {a}" for a in router_addresses), interval_s,
-        grace_s,
+        client.url, ", ".join(names), interval_s, grace_s,
     )  # fmt: skip
     try:
         while not stop.is_set():
             started = time.monotonic()
-            if groups.synced.is_set() and sight.vouches(groups, len(announcer.offered)):
-                announcer.round(groups.snapshot())
-                sight.alive()
-            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+            groups.changed.clear()
+            if groups.synced.is_set():
+                vouches = sight.vouches(groups, len(announcer.offered))
+                if vouches and routers:
+                    announcer.round(groups.snapshot())
+                if smgs:
+                    blind = "" if vouches else "router-sync is blind past its grace"
+                    feeds.round(groups.snapshot() if vouches else None, blind)
+                if vouches:
+                    sight.alive()
+            left = max(0.0, interval_s - (time.monotonic() - started))
+            if not smgs:
+                stop.wait(left)
+            elif groups.changed.wait(left):  # a change: the next round at once (a burst: one)
+                stop.wait(0.05)
     finally:
+        feeds.close()
         for router in routers:
             router.close()
         context.term()
     return 0
 
 
-def check_grace(grace_s: float) -> str | None:
-    if not 2.0 <= grace_s <= 3600.0:  # NaN too
-        return (
-            f"--grace {grace_s:g} (or ROUTER_SYNC_GRACE_S) must be a number of seconds from 2 "
-            "to 3600, above the registry's bookmark interval (REGISTRY_WATCH_BOOKMARK_S, 5 s)"
-        )
-    return None
-
-
-def check_interval(interval_s: float) -> str | None:
-    if not 0.05 <= interval_s < ROUTER_EXPIRY_S:
-        return (
-            f"--interval {interval_s:g} must be from 0.05 to below {ROUTER_EXPIRY_S:g} s "
-            "(vllm-router forgets an instance it has not heard of for 5 s)"
-        )
-    return None
-
-
 __all__ = [
-    "DEFAULT_GRACE_S", "Announcer", "Groups", "Offered", "Sight", "VllmRouter", "check_grace",
-    "check_interval", "offer", "run",
+    "DEFAULT_GRACE_S", "ROUTER_EXPIRY_S", "Announcer", "Groups", "Offered", "Sight",
+    "VllmRouter", "offer", "run",
 ]  # fmt: skip

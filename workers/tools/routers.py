@@ -1,5 +1,6 @@
-"""A real vllm-router (PD mode, fed only through its discovery address) and an ``engine-registry
-router-sync`` feeding it, as processes: for the tests, the vLLM tier and the launcher."""
+"""A real vllm-router (PD mode, fed only through its discovery address), a real smg (SGLang's
+model gateway, PD mode, fed only through its worker API) and an ``engine-registry router-sync``
+feeding them, as processes: for the tests, the vLLM tier and the launcher."""
 
 from __future__ import annotations
 
@@ -10,22 +11,30 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from workers.tools.procs import Proc, free_port, log_tail
 
 
-def vllm_router_binary() -> str:
-    """The ``vllm-router`` beside this interpreter (the dev extra installs it), else on PATH."""
-    beside = Path(sys.executable).parent / "vllm-router"
-    found = str(beside) if beside.exists() else shutil.which("vllm-router")
+def _binary(name: str, pin: str) -> str:
+    """``name`` beside this interpreter (the dev extra installs it), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
     if found is None:
         raise FileNotFoundError(
-            "vllm-router is not installed: `pip install vllm-router==0.1.17` (the dev extra "
-            "has it; `make dev` installs it)"
+            f"{name} is not installed: `pip install {pin}` (the dev extra has it; `make dev` "
+            "installs it)"
         )
     return found
+
+
+def vllm_router_binary() -> str:
+    return _binary("vllm-router", "vllm-router==0.1.17")
+
+
+SMG_PIN = "smg==1.13.0"
 
 
 class _Process:
@@ -90,6 +99,60 @@ class VllmRouterProcess(_Process):
         raise TimeoutError(f"vllm-router did not serve within {timeout_s} s")
 
 
+class SmgProcess(_Process):
+    """``smg launch --pd-disaggregation`` with no worker on its command line: router-sync
+    registers them through its worker API, authenticated with ``api_key`` (an admin key).
+    ``worker_urls``: a plain (not PD) smg in front of those workers instead."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        api_key: str = "smg-admin-key",
+        model_path: Path | None = None,
+        worker_urls: Sequence[str] = (),
+        name: str = "smg",
+    ) -> None:
+        super().__init__(name, workdir / f"{name}.log")
+        self.worker_urls = list(worker_urls)
+        self.port = free_port()
+        self.api_key = api_key
+        self.model_path = model_path  # its tokenizer, which gRPC workers need
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def workers(self) -> list[dict[str, Any]]:
+        answer = httpx.get(f"{self.url}/workers", headers=self.headers(), timeout=5.0)
+        answer.raise_for_status()
+        return list(answer.json()["workers"])
+
+    def start(self, timeout_s: float = 30.0) -> SmgProcess:
+        fixed = "launch --host 127.0.0.1 --policy round_robin --log-level info"
+        cmd = [_binary("smg", SMG_PIN), *fixed.split(), "--port", str(self.port)]
+        cmd += ["--worker-urls", *self.worker_urls] if self.worker_urls else ["--pd-disaggregation"]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        cmd += ["--control-plane-api-keys", f"router-sync:router-sync:admin:{self.api_key}"]
+        if self.model_path is not None:
+            cmd += ["--model-path", str(self.model_path)]
+        self._spawn(cmd)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                self.stop()
+                raise RuntimeError(f"smg exited: {log_tail(self.log_path)}")
+            with contextlib.suppress(httpx.HTTPError):
+                self.workers()
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"smg did not serve within {timeout_s} s")
+
+
 class RouterSyncProcess(_Process):
     """``engine-registry router-sync`` (``python -m app router-sync``) feeding routers."""
 
@@ -102,15 +165,20 @@ class RouterSyncProcess(_Process):
         token: str | None = None,
         interval_s: float = 0.5,
         python: str | None = None,
+        smgs: Sequence[SmgProcess] = (),
     ) -> None:
         super().__init__("router-sync", workdir / "router-sync.log")
         self.cmd = [
             python or sys.executable, "-m", "app", "router-sync", "--url", registry_url,
             "--interval", str(interval_s),
             *[arg for address in routers for arg in ("--vllm-router", address)],
+            *[arg for smg in smgs for arg in ("--smg", smg.url)],
         ]  # fmt: skip
         self.token = token
+        self.env = {"REGISTRY_TOKEN": token} if token else {}
+        if smgs:
+            self.env["SMG_API_KEY"] = smgs[0].api_key
 
     def start(self) -> RouterSyncProcess:
-        self._spawn(self.cmd, {"REGISTRY_TOKEN": self.token} if self.token else None)
+        self._spawn(self.cmd, self.env)
         return self
