@@ -19,7 +19,7 @@ from tests.support.pd_stand_in import StandIns
 from tests.support.server import RegistryProcess
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 
-pytestmark = [pytest.mark.api, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 GRACE_S = 8.0  # above a registry restart here, so the refused token is the cause said
 BLIND = "past the 8 s grace"
 
