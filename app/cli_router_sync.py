@@ -40,9 +40,10 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
     cmd.add_argument(
         "--smg",
         action="append",
-        default=[],
+        default=[u.strip() for u in os.environ.get("ROUTER_SYNC_SMG", "").split(",") if u.strip()],
         metavar="URL",
-        help="an smg gateway's URL (its worker API: POST/GET/DELETE /workers); repeat for several",
+        help="an smg gateway's URL (its worker API: POST/GET/DELETE /workers); repeat for "
+        "several (ROUTER_SYNC_SMG: comma-separated URLs, fed besides these)",
     )
     cmd.add_argument(
         "--smg-api-key",
