@@ -222,6 +222,9 @@ class Serving(BaseModel):
     dp_rank: int | None = None
     bootstrap: str | None = Field(None, description="host:port of its side channel (if any).")
     published_at: str
+    published_by: str | None = Field(
+        None, description="The name of the token that published it (null without tokens)."
+    )
 
 
 class AgentSummary(BaseModel):
@@ -263,6 +266,9 @@ class Agent(BaseModel):
     kv: dict[str, Any]
     ttl_s: int
     registered_at: str
+    registered_by: str | None = Field(
+        None, description="The name of the token that registered it (null without tokens)."
+    )
     expires_at: str
 
 

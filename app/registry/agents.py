@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from app.addresses import parse_host
+from app.credentials import ACTOR
 from app.errors import (
     FieldPath,
     FieldProblem,
@@ -53,6 +54,7 @@ class AgentsMixin(RenewalsMixin):
                 ttl_s=req.ttl_s,
                 registered_at=utc_iso(now),
                 lease=lease.id,
+                registered_by=ACTOR.get(),
             )
             value = _dump(record)
             result = await self.store.txn(
@@ -88,6 +90,7 @@ class AgentsMixin(RenewalsMixin):
             kv=record.kv,
             ttl_s=record.ttl_s,
             registered_at=record.registered_at,
+            registered_by=record.registered_by,
             expires_at=expires_at,
         )
 

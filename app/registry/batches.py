@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from app.credentials import ACTOR
 from app.errors import StoreUnavailable
 from app.registry.agents import AgentsMixin, _check_reachable
 from app.registry.base import outside_group
@@ -51,6 +52,7 @@ class BatchesMixin(AgentsMixin):
                     raise await self._mismatch(state, item.rank, item.engine_id)
             lease = await self.store.grant_lease(ttl_s)
             now = time.time()
+            actor = ACTOR.get()
             records = [
                 AgentRecord(
                     rank=item.rank,
@@ -62,6 +64,7 @@ class BatchesMixin(AgentsMixin):
                     ttl_s=ttl_s,
                     registered_at=utc_iso(now),
                     lease=lease.id,
+                    registered_by=actor,
                 )
                 for item in req.agents
             ]

@@ -49,6 +49,7 @@ class AgentBrief(BaseModel):
     ttl_s: int
     registered_at: str
     lease: int
+    registered_by: str | None = None  # the name of the token that registered it
 
 
 class AgentRecord(AgentBrief):
@@ -64,6 +65,7 @@ class ServingRecord(BaseModel):
     dp_rank: int | None = None
     bootstrap: str | None = None
     published_at: str
+    published_by: str | None = None  # the name of the token that published it
 
 
 class IndexRecord(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from app.credentials import ACTOR
 from app.errors import StoreUnavailable
 from app.registry.base import RegistryBase
 from app.registry.records import MAX_ATTEMPTS, ServingRecord, _dump, _engine_key, _serving_key
@@ -29,6 +30,7 @@ class ServingMixin(RegistryBase):
                 dp_rank=req.dp_rank,
                 bootstrap=req.bootstrap,
                 published_at=utc_iso(time.time()),
+                published_by=ACTOR.get(),
             )
             result = await self.store.txn(
                 [Compare(_engine_key(gid), state.engine_revision)],

@@ -119,6 +119,10 @@ class GroupState:
         if s is None:
             return None
         return Serving.model_construct(
-            url=s.url, model=s.model, dp_rank=s.dp_rank, bootstrap=s.bootstrap,
+            url=s.url,
+            model=s.model,
+            dp_rank=s.dp_rank,
+            bootstrap=s.bootstrap,
             published_at=s.published_at,
-        )  # fmt: skip
+            published_by=s.published_by,
+        )

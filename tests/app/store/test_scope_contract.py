@@ -114,12 +114,18 @@ def test_a_scoped_token_runs_a_group_in_its_scope_from_open_to_deregistration(
         engine = ok(node7.put(f"/tp-groups/{group}/engine", json=open_body(tp_size=2)))
         base = f"/tp-groups/{group}/engine"
         eid = engine["engine_id"]
-        ok(node7.put(f"{base}/agents/0", json=agent_body(eid, 0)))
-        ok(node7.put(f"{base}/agents", json=batch(eid, 1)))
+        # Each record names the token that wrote it (never the token itself).
+        assert ok(node7.put(f"{base}/agents/0", json=agent_body(eid, 0)))["registered_by"] == (
+            "node-7"
+        )
+        batched = ok(node7.put(f"{base}/agents", json=batch(eid, 1)))
+        assert [a["registered_by"] for a in batched["agents"]] == ["node-7"]
         ok(node7.post(f"{base}/agents/0/heartbeat", json={"engine_id": eid}))
         ok(node7.post(f"{base}/agents/heartbeat", json={"engine_id": eid, "ranks": [0, 1]}))
         serving = {"engine_id": eid, "url": "http://10.7.0.1:8000", "model": "m"}
-        ok(node7.put(f"{base}/serving", json=serving))
+        assert ok(node7.put(f"{base}/serving", json=serving))["serving"]["published_by"] == (
+            "node-7"
+        )
         ok(node7.delete(f"{base}/serving", params={"engine_id": eid}))
         ok(node7.delete(f"{base}/agents/1", params={"engine_id": eid}))
         relaunched = ok(node7.put(base, json=open_body(tp_size=2)))
