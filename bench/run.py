@@ -15,6 +15,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from bench import report_decoders
 from bench.common import RESULTS, machine, say, wait_quiet, write_result
 from bench.report import markdown
 
@@ -28,6 +29,7 @@ QUESTIONS = (
     "watch",
     "fleet",
     "feed_lag",
+    "decoders",
 )
 
 
@@ -86,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{name}: done in {data['seconds']} s -> {path.relative_to(RESULTS.parents[1])}")
         results[name] = data
     table = markdown(results, info)
+    if "decoders" in results:
+        table += "\n" + "\n".join(report_decoders.table(results["decoders"]))
     (out / "latest.md").write_text(table)
     print(table)
     return 0
