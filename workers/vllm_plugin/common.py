@@ -69,15 +69,33 @@ def role(config: Any, settings: PluginSettings) -> Role:
     return _ROLES.get(str(config.kv_transfer_config.kv_role), "both")
 
 
-def group_id(config: Any, settings: PluginSettings) -> tuple[str, int, int]:
-    """(registry group, DP size, DP rank): one registry group per data-parallel rank."""
+def dp_rank(config: Any) -> int | None:
+    """This engine's global data-parallel rank, or None when vLLM runs no data parallelism.
+
+    vLLM 0.32 runs a dense model's DP ranks as independent engines: its engine core appends
+    `_dp{rank}` to the KV engine_id, then sets `data_parallel_size` 1 and `data_parallel_rank`
+    0 (`ParallelConfig.reconfigure_for_independent_dp_rank`); only `data_parallel_index` (the
+    global rank) and that suffix are left. An MoE model's ranks keep the DP fields.
+    """
     parallel = config.parallel_config
-    dp_size = int(getattr(parallel, "data_parallel_size", 1) or 1)
-    dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
-    group = settings.group if dp_size == 1 else f"{settings.group}-dp{dp_rank}"
-    return group, dp_size, dp_rank
+    size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    index = getattr(parallel, "data_parallel_index", None)
+    rank = int(index if index is not None else getattr(parallel, "data_parallel_rank", 0) or 0)
+    if size > 1:
+        return rank
+    kv = getattr(config, "kv_transfer_config", None)
+    engine_id = str(getattr(kv, "engine_id", "") or "")
+    return rank if engine_id.endswith(f"_dp{rank}") else None
 
 
-def vllm_engine_id(registry_id: str, dp_size: int, dp_rank: int) -> str:
+def group_id(config: Any, settings: PluginSettings) -> tuple[str, int | None]:
+    """(registry group, DP rank or None): one registry group per data-parallel rank,
+    named with the global rank, the same on every process of that rank."""
+    rank = dp_rank(config)
+    group = settings.group if rank is None else f"{settings.group}-dp{rank}"
+    return group, rank
+
+
+def vllm_engine_id(registry_id: str, dp_rank: int | None) -> str:
     # vLLM's convention for data parallelism (v1/engine/core.py): one id per DP rank.
-    return registry_id if dp_size == 1 else f"{registry_id}_dp{dp_rank}"
+    return registry_id if dp_rank is None else f"{registry_id}_dp{dp_rank}"

@@ -18,7 +18,7 @@ from workers.vllm_plugin.settings import PluginSettings
 
 def scheduler_adopt(config: Any) -> None:
     settings = PluginSettings.from_env()
-    group_id, dp_size, dp_rank = common.group_id(config, settings)
+    group_id, dp_rank = common.group_id(config, settings)
     parallel = config.parallel_config
     size = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
     with common.client(settings) as client:
@@ -41,7 +41,7 @@ def scheduler_adopt(config: Any) -> None:
             f"its workers for launch {settings.launch_id} (it opened generation "
             f"{engine.generation} itself): were the workers started without the plugin?"
         )
-    engine_id = common.vllm_engine_id(engine.engine_id, dp_size, dp_rank)
+    engine_id = common.vllm_engine_id(engine.engine_id, dp_rank)
     config.kv_transfer_config.engine_id = engine_id
     log.info(
         "engine-registry: scheduler of group %r uses the registry's engine_id %s (generation %d)",

@@ -24,7 +24,7 @@ from workers.errors import EngineIdentityError, RegistryError
 from workers.identity import sync_engine_id
 from workers.models import AgentItem, EngineIdentity, KvSpec
 from workers.publication import Publication
-from workers.vllm_plugin import common, kv_watch, node_publish, stale, via_registry
+from workers.vllm_plugin import common, kv_watch, node_publish, pp_limit, stale, via_registry
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import compat_of
 from workers.vllm_plugin.decode_side import attach_decode_side
@@ -63,13 +63,13 @@ def worker_sync(config: Any) -> None:
 
         settings = PluginSettings.from_env()
         _nixl_progress(settings)
-        group_id, dp_size, dp_rank = common.group_id(config, settings)
+        group_id, dp_rank = common.group_id(config, settings)
         tp = get_tp_group()
         pp = get_pp_group()
         tp_rank, pp_rank = int(tp.rank_in_group), int(pp.rank_in_group)
         if pp.world_size == 1:
             pg, size = tp.cpu_group, int(tp.world_size)
-        elif dp_size == 1:
+        elif dp_rank is None:
             # PP > 1: one engine over every stage; the world is this instance's TP x PP ranks.
             world = get_world_group()
             pg, size = world.cpu_group, int(world.world_size)
@@ -79,6 +79,7 @@ def worker_sync(config: Any) -> None:
                 "supported yet (no process group spans one DP replica's stages)"
             )
         rank = pp_rank * int(tp.world_size) + tp_rank
+        pp_limit.check(config, int(pp.world_size), group_id)
         before = config.kv_transfer_config.engine_id
         compat = compat_of(config)
         with common.client(settings) as client:
@@ -105,7 +106,7 @@ def worker_sync(config: Any) -> None:
                 raise RuntimeError(
                     f"engine-registry: group {group_id!r} rank {rank} refuses to start: {exc}"
                 ) from exc
-        engine_id = common.vllm_engine_id(identity.engine_id, dp_size, dp_rank)
+        engine_id = common.vllm_engine_id(identity.engine_id, dp_rank)
         config.kv_transfer_config.engine_id = engine_id
         _state.identity = identity
         _state.settings = settings

@@ -107,8 +107,8 @@ def test_the_token_may_come_from_a_file(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_data_parallel_ids_follow_vllms_suffix() -> None:
-    assert common.vllm_engine_id("abc", 1, 0) == "abc"
-    assert common.vllm_engine_id("abc", 4, 2) == "abc_dp2"
+    assert common.vllm_engine_id("abc", None) == "abc"
+    assert common.vllm_engine_id("abc", 2) == "abc_dp2"
     assert split_dp_suffix("abc_dp2") == ("abc", 2)
     assert split_dp_suffix("5b0c1f7e-2a55-4d8e-9d0e-0f6c3f1b8a11") == (
         "5b0c1f7e-2a55-4d8e-9d0e-0f6c3f1b8a11",
