@@ -85,6 +85,10 @@ class Instance:
     port: int = field(default_factory=free_port)
     side_channel_port: int = field(default_factory=free_port)
     master_port: int = field(default_factory=free_port)
+    # Data parallelism: `dp` ranks, one per node (`nodes == dp`), each `tp` wide; node 0 runs
+    # the API server and DP rank 0, node r > 0 DP rank r headless (docs/vllm-plugin.md).
+    dp: int = 1
+    dp_rpc_port: int = field(default_factory=free_port)
     procs: list[Proc] = field(default_factory=list)
     started_at: float = 0.0
 
@@ -104,6 +108,14 @@ class Instance:
         ]  # fmt: skip
         if self.tp > 1:
             cmd += ["-tp", str(self.tp)]
+        if self.dp > 1:
+            cmd += [
+                "--data-parallel-size", str(self.dp), "--data-parallel-size-local", "1",
+                "--data-parallel-address", "127.0.0.1",
+                "--data-parallel-rpc-port", str(self.dp_rpc_port),
+            ]  # fmt: skip
+            if node > 0:
+                cmd += ["--data-parallel-start-rank", str(node)]
         if self.nodes > 1:
             cmd += [
                 "--nnodes", str(self.nodes), "--node-rank", str(node),
@@ -132,12 +144,25 @@ class Instance:
     def start(self) -> Instance:
         self.started_at = time.monotonic()
         for node in range(self.nodes):
-            log = self.workdir / f"{self.name}-node{node}.log"
-            log.write_bytes(b"")
-            self.procs.append(
-                Proc(f"{self.name}/node{node}", self._cmd(node), self._env(node), log)
-            )
+            self.procs.append(self._node_proc(node))
         return self
+
+    def _node_proc(self, node: int, run: int = 0, env: Mapping[str, str] | None = None) -> Proc:
+        suffix = f"-run{run}" if run else ""
+        log = self.workdir / f"{self.name}-node{node}{suffix}.log"
+        log.write_bytes(b"")
+        environ = {**self._env(node), **(env or {})}
+        return Proc(f"{self.name}/node{node}{suffix}", self._cmd(node), environ, log)
+
+    def kill_node(self, node: int) -> None:
+        """``kill -9`` one node's processes (a crash of that node alone)."""
+        self.procs[node].signal(signal.SIGKILL)
+        self.procs[node].stop(grace_s=0.0)
+
+    def restart_node(self, node: int, run: int, env: Mapping[str, str] | None = None) -> Proc:
+        """Start node `node` again, `env` added (its log: ``…-node{node}-run{run}.log``)."""
+        self.procs[node] = self._node_proc(node, run, env)
+        return self.procs[node]
 
     def wait_healthy(self, timeout_s: float = 240.0) -> float:
         """Seconds from start to a healthy HTTP endpoint; raises with the logs' tails if not."""

@@ -22,17 +22,24 @@ import httpx
 from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 
 PD_TIMEOUT_S = 90.0
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's API server sends the request to this DP rank
 
 
 class PDTimeout(TimeoutError):
     """A PD request that did not finish within its deadline."""
 
 
-def _post(http: httpx.Client, url: str, body: Mapping[str, Any], deadline: float) -> httpx.Response:
+def _post(
+    http: httpx.Client,
+    url: str,
+    body: Mapping[str, Any],
+    deadline: float,
+    headers: Mapping[str, str] | None = None,
+) -> httpx.Response:
     left = deadline - time.monotonic()
     if left <= 0:
         raise httpx.ReadTimeout(f"no time left for {url}")
-    return http.post(url, json=dict(body), timeout=httpx.Timeout(left))
+    return http.post(url, json=dict(body), headers=dict(headers or {}), timeout=httpx.Timeout(left))
 
 
 def pd_complete(
@@ -43,13 +50,16 @@ def pd_complete(
     timeout_s: float = PD_TIMEOUT_S,
     decode_logs: Callable[[], str] | None = None,
     side_channel_port: int | None = None,
+    dp_rank: int | None = None,
 ) -> tuple[httpx.Response, dict[str, Any]]:
     """Prefill (max_tokens 1, do_remote_decode), then decode with prefill's kv_transfer_params.
 
     Returns decode's response and the kv_transfer_params prefill handed over. Raises
     `PDTimeout` when the two together take longer than `timeout_s`. ``side_channel_port``
     replaces the prefill's side-channel port in what decode gets (a closed port proves which
-    way decode's handshake went).
+    way decode's handshake went). ``dp_rank`` hands the prefill to that data-parallel rank
+    of a DP instance (vLLM's `X-data-parallel-rank` header); decode pulls from the engine the
+    answer names (`remote_engine_id`: the rank's engine_id, `remote_port`: its side channel).
     """
     prefill_body = dict(body)
     prefill_body.update(
@@ -69,7 +79,8 @@ def pd_complete(
     stage = f"prefill {prefill_url}"
     try:
         with httpx.Client(trust_env=False) as http:
-            first = _post(http, f"{prefill_url}/v1/completions", prefill_body, deadline)
+            to_rank = {} if dp_rank is None else {DP_RANK_HEADER: str(dp_rank)}
+            first = _post(http, f"{prefill_url}/v1/completions", prefill_body, deadline, to_rank)
             first.raise_for_status()
             params = dict(first.json().get("kv_transfer_params") or {})
             if side_channel_port is not None:
