@@ -78,14 +78,16 @@ def _served_model(http: httpx.Client, local: str, stop_at: float) -> str | None:
     return None
 
 
-def _groups(client: Any, settings: PluginSettings) -> list[tuple[str, int | None, Any]]:
+def _groups(
+    client: Any, settings: PluginSettings, dp_size: int = MAX_DP
+) -> list[tuple[str, int | None, Any]]:
     """(group, DP rank, engine) of this launch: the group, or its "-dp{r}" groups."""
     try:
         return [(settings.group, None, client.get_engine(settings.group))]
     except NotFound:
         pass
     found: list[tuple[str, int | None, Any]] = []
-    for rank in range(MAX_DP):
+    for rank in range(min(dp_size, MAX_DP)):
         try:
             found.append((f"{settings.group}-dp{rank}", rank, client.get_engine(
                 f"{settings.group}-dp{rank}")))  # fmt: skip
@@ -109,13 +111,18 @@ def publish_when_serving(settings: PluginSettings, argv: Sequence[str]) -> None:
     published: list[tuple[str, str]] = []
     try:
         with common.client(settings) as client:
-            for group, dp_rank, engine in _groups(client, settings):
-                if engine.launch_id != settings.launch_id:
+            dp_size = int(_flag(argv, "--data-parallel-size") or MAX_DP)
+            for group, dp_rank, engine in _groups(client, settings, dp_size):
+                # A DP rank on another node opened its engine under that node's launch id;
+                # vLLM's API server answers only once every DP rank's engine core reported
+                # ready to it, so that group's engine now is this deployment's.
+                if engine.launch_id != settings.launch_id and not (dp_rank and engine.ready):
                     log.warning("engine-registry: group %s's engine is another launch's "
                                 "(%s): not published", group, engine.launch_id)  # fmt: skip
                     continue
+                bootstrap = f"{host}:{port + (dp_rank or 0)}"  # vLLM: base + DP rank
                 body = {"engine_id": engine.engine_id, "url": url, "model": model,
-                        "dp_rank": dp_rank, "bootstrap": f"{host}:{port}"}  # fmt: skip
+                        "dp_rank": dp_rank, "bootstrap": bootstrap}  # fmt: skip
                 client.request("PUT", f"/tp-groups/{group}/engine/serving", json=body)
                 published.append((group, engine.engine_id))
                 log.info("engine-registry: published that group %s (engine %s) serves %s at "
