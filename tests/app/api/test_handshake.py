@@ -248,3 +248,29 @@ def test_handshake_with_a_superseded_engine_is_410(api: httpx.Client, reg: Api, 
 
 def test_handshake_with_a_never_issued_engine_is_404(api: httpx.Client) -> None:
     problem(handshake(api, str(uuid.uuid4()), tp_size=1, rank=0), 404, "not_found")
+
+
+def test_a_pipeline_parallel_prefill_is_planned_over_its_tp_x_pp_world(
+    api: httpx.Client, reg: Api
+) -> None:
+    # The vLLM plugin opens a PP > 1 instance as one engine over its TP x PP world, rank
+    # pp_rank * TP + tp_rank, each rank's stage in its kv (workers/vllm_plugin/worker_side.py).
+    # The registry plans TP only: a decode of TP 1 gets every stage's ranks in rank order; a
+    # decode of TP 2 gets contiguous rank pairs, i.e. one PP stage each, not one TP rank of
+    # every stage. That is why a decode's handshake with a PP prefill goes over vLLM's side
+    # channel (docs/vllm-plugin.md "Data parallel", pipeline parallelism).
+    tp, pp = 2, 2
+    engine = reg.open(new_gid("prefill-tp2-pp2"), tp_size=tp * pp, compat=COMPAT)
+    for rank in range(tp * pp):
+        reg.register(engine, rank, kv={**KV, "pp_rank": rank // tp, "tp_rank": rank % tp})
+    whole = handshake(api, engine["engine_id"], tp_size=1, rank=0, compat=COMPAT)
+    assert whole.status_code == 200, whole.text
+    plan = whole.json()
+    assert plan["remote_tp_size"] == tp * pp
+    assert plan["tp_ratio"] == -(tp * pp)
+    stages = [(t["kv"]["pp_rank"], t["kv"]["tp_rank"]) for t in plan["targets"]]
+    assert stages == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank, stage in ((0, 0), (1, 1)):
+        half = handshake(api, engine["engine_id"], tp_size=2, rank=rank, compat=COMPAT).json()
+        assert {t["kv"]["pp_rank"] for t in half["targets"]} == {stage}
+        assert [t["kv"]["tp_rank"] for t in half["targets"]] == [0, 1]
