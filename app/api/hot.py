@@ -50,7 +50,7 @@ from app.errors import HttpProblem, RegistryError, at_edge
 from app.middleware import ObserveMiddleware, arrived, is_heartbeat, request_id_of
 from app.problems import problem_answer
 from app.store import Unavailable
-from app.store.lease_clock import IN_FLIGHT
+from app.store.lease_clock import ARRIVED, IN_FLIGHT
 
 log = logging.getLogger("app")
 
@@ -124,7 +124,11 @@ class HotPath:
         answer it (``Fallback``: the request is not the fast path's to answer)."""
         handler, route, segments = taken
         scope["app"] = self.app
-        arrived(scope)  # in this request's task: its renewals are judged at its arrival
+        at = scope.get("arrived")  # in this request's task: its renewals are judged at it
+        if at is None:
+            arrived(scope)
+        else:
+            ARRIVED.set(at)
         request_id = request_id_of(scope)
         acting(scope)  # in this request's task: the events it causes name its token
         try:

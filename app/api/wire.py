@@ -30,7 +30,6 @@ from uvicorn._types import ASGI3Application
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.api.hot import HotPath, Taken
-from app.middleware import is_heartbeat
 from app.store.lease_clock import IN_FLIGHT
 
 
@@ -50,11 +49,6 @@ class WireProtocol(HttpToolsProtocol):
     _hot: tuple[Taken, list[bytes]] | None = None
     _answering: _Answering | None = None
     _handed_on: RequestResponseCycle | None = None  # a cold answer not in self.cycle
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        # A request's first byte: the instant its renewals are judged at (lease_clock.py).
-        self.scope["arrived"] = time.time()  # type: ignore[typeddict-unknown-key]
 
     def _hot_begin(self) -> bool:
         """At the end of a request's head: take it when it is a hot route's (see the module)."""
@@ -93,6 +87,7 @@ class WireProtocol(HttpToolsProtocol):
         taken = hot.take(method, scope["path"], self.headers, scope)
         if taken is None:
             return False
+        scope["arrived"] = time.time()  # its renewals are judged at it (lease_clock.py)
         self._hot = (taken, [])
         return True
 
@@ -122,7 +117,7 @@ class WireProtocol(HttpToolsProtocol):
         hot = self.app
         assert isinstance(hot, HotPath)
         self.cycle = answering = self._answering = _Answering()
-        if is_heartbeat(scope):  # the sweeper spares the leases it reached in time
+        if scope["path"].endswith("/heartbeat"):  # the sweeper spares leases it reached in time
             scope["in_flight"] = IN_FLIGHT.begin(scope["arrived"])
         task = self.loop.create_task(self._hot_answer(hot, scope, taken, raw, answering))
         self.tasks.add(task)

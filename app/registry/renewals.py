@@ -31,6 +31,9 @@ from app.registry.records import (
 from app.registry.state import GroupState
 from app.store import Entry, Lease
 
+# A node's heartbeat's read: its keys, the entries read, the leases they gave.
+_Kept = tuple[list[str], list[Entry | None], dict[int, int]]
+
 # How long a heartbeat waits for the watch feed to reach its renewals' revision. The leases are
 # renewed before the wait, so a feed that lags delays the answer, never the renewal; the range
 # read instead costs etcd a linearizable read when a launch's load can least afford it. In a
@@ -42,7 +45,13 @@ from app.store import Entry, Lease
 SEEN_WAIT_S = 3.0
 
 
+# Nodes whose last answer is kept (``_leases_now``): past it the memo starts over.
+MEMO_NODES = 50_000
+
+
 class RenewalsMixin(RegistryBase):
+    _renewal_memo: dict[tuple[str, str, tuple[int, ...]], _Kept] | None = None
+
     async def _renewals(
         self, gid: str, ranks: list[int], engine_id: str, field: FieldPath = ("ranks",)
     ) -> dict[int, Lease]:
@@ -90,9 +99,27 @@ class RenewalsMixin(RegistryBase):
         return leases
 
     def _leases_now(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
-        """From the store's memory without waiting (None where it cannot say)."""
-        entries = self.store.peek([_engine_key(gid), *(_agent_key(gid, r) for r in ranks)])
-        return None if entries is None else self._leases_in(entries, ranks, engine_id)
+        """From the store's memory without waiting (None where it cannot say). A node's last
+        answer is kept with the entries it was read from: the same entries (the same objects:
+        entries are immutable, a change is a new one) give the same answer without decoding
+        them again (a node's heartbeat repeats the same read every interval)."""
+        memo = self._renewal_memo
+        if memo is None:
+            memo = self._renewal_memo = {}
+        asked = (gid, engine_id, tuple(ranks))
+        kept = memo.get(asked)
+        keys = kept[0] if kept else [_engine_key(gid), *(_agent_key(gid, r) for r in ranks)]
+        entries = self.store.peek(keys)
+        if entries is None:
+            return None
+        if kept is not None and all(a is b for a, b in zip(entries, kept[1], strict=True)):
+            return kept[2]
+        leases = self._leases_in(entries, ranks, engine_id)
+        if leases is not None:
+            if len(memo) >= MEMO_NODES:
+                memo.clear()
+            memo[asked] = (keys, entries, leases)
+        return leases
 
     def _leases_seen(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
         """From the watch feed as it is now (maybe behind the store)."""

@@ -12,12 +12,13 @@ leader gives every lease a fresh ttl):
   loop; the sweeper purges only leases that expired before the oldest heartbeat still in
   flight arrived (at most ``grace_s`` back).
 - **Stalls.** A timer on the event loop (``LoopWatch``, every ``TICK_S``) notes when the loop
-  last ran. A gap longer than ``stall_s`` (the process stopped or starved: a heartbeat sent then
-  waited in the kernel) is a stall: every lease live when it began gets the stall's length
-  added to its expiry, at most ``grace_s`` in all since the lease's last renewal. A restart is a
-  stall too: the time since the file's latest renewal. The gap is found by the timer or by the
-  first lease judgement after it, whichever runs first, so a heartbeat queued during the stall
-  is judged after the credit.
+  last ran. A gap longer than ``stall_s`` between two ticks (the process stopped, or starved,
+  or one callback held the loop: a heartbeat sent then waited in the kernel) is a stall:
+  every lease live when it began gets the stall's length added to its expiry, at most
+  ``grace_s`` in all since the lease's last renewal. A restart is a stall too: the time since
+  the file's latest renewal. The gap is found by the timer or by the first lease judgement
+  after it, whichever runs first, so a heartbeat queued during the stall is judged after the
+  credit.
 
 A dead rank is therefore found within its ttl plus ``grace_s`` at most, and only when the
 registry itself stalled; otherwise within its ttl, as before.
@@ -96,6 +97,7 @@ class LoopWatch:
         self.stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (began, seconds), wall
         self.count = 0  # stalls seen in all
         self._last = time.monotonic()  # the loop last seen running
+        self.seen = time.time()  # the same, wall clock: a judgement checks it (``late``)
         self._due = self._last + TICK_S
         self._handle = loop.call_later(TICK_S, self._tick)
 
@@ -113,10 +115,14 @@ class LoopWatch:
     def note(self, now: float | None = None) -> None:
         """The loop runs now: a gap since it was last seen running past the threshold is a stall."""
         now = time.monotonic() if now is None else now
-        gap, self._last = now - self._last, now
+        gap, self._last, self.seen = now - self._last, now, time.time()
         if gap > CLOCK.stall_s:
             self.stalls.append((time.time() - gap, gap))
             self.count += 1
+
+    def late(self, now: float) -> bool:
+        """Whether the timer is late past a stall at wall time ``now`` (then ``note`` it)."""
+        return now - self.seen > CLOCK.stall_s + TICK_S
 
     def since(self, seen: int) -> Iterator[tuple[float, float]]:
         """The stalls after the first ``seen`` (the oldest kept, if more were lost)."""

@@ -10,7 +10,14 @@ import heapq
 import time
 
 from app.store.base import Lease
-from app.store.lease_clock import ARRIVED, StoredLease, expiry_heap, extend, loop_watch
+from app.store.lease_clock import (
+    ARRIVED,
+    LoopWatch,
+    StoredLease,
+    expiry_heap,
+    extend,
+    loop_watch,
+)
 from app.store.sqlite_pending import Pending
 
 
@@ -21,6 +28,7 @@ class LeasesMixin:
     _next_lease: int
     _pending: Pending
     _stalls_seen: int  # the loop's stalls credited to the leases; -1: none looked at yet
+    _watch: LoopWatch | None = None  # the loop's (lease_clock.loop_watch), kept
 
     async def _usable(self) -> None:
         raise NotImplementedError
@@ -28,15 +36,23 @@ class LeasesMixin:
     def _now(self) -> float:
         """The instant leases are judged at: now, or the request's arrival (lease_clock.py),
         after any stall of the loop is credited to the leases."""
-        watch = loop_watch()
+        now, watch = time.time(), self._watch
+        if watch is None or watch.late(now) or self._stalls_seen != watch.count:
+            self._credit()
+        arrived = ARRIVED.get()
+        return now if arrived is None else min(now, arrived)
+
+    def _credit(self) -> None:
+        """Credit the loop's stalls not yet credited to every live lease."""
+        watch = self._watch
+        if watch is None or watch.loop.is_closed():
+            watch = self._watch = loop_watch()
         watch.note()
         if self._stalls_seen != watch.count:
             seen, self._stalls_seen = self._stalls_seen, watch.count
             if seen >= 0 and any([extend(self._leases, *s) for s in watch.since(seen)]):
                 self._expiry = expiry_heap(self._leases)
                 self._dirty.update(self._leases)
-        now, arrived = time.time(), ARRIVED.get()
-        return now if arrived is None else min(now, arrived)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
         await self._usable()
