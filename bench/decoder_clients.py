@@ -19,7 +19,14 @@ class Clients:
     """``bench.decoder_streams`` processes sharing ``streams`` among them."""
 
     def __init__(
-        self, urls: list[str], revision: int, streams: int, procs: int, tmp: Path, prefix: str
+        self,
+        urls: list[str],
+        revision: int,
+        streams: int,
+        procs: int,
+        tmp: Path,
+        prefix: str,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tmp
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -39,6 +46,7 @@ class Clients:
                 str(n),
                 "--prefix",
                 prefix,
+                *extra,
             ]
             err = open(tmp / f"clients-{k}.log", "ab")  # noqa: SIM115
             self.procs.append(

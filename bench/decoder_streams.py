@@ -124,6 +124,9 @@ class Stream:
         kind = line["type"]
         if kind == "ERROR":
             self.code = str((line.get("object") or {}).get("code"))
+            if self.shared.at_error and self.code not in RELIST_CODES:
+                # its revision is the last one fully sent (docs/api.md): resume from it
+                self.cursor.accept({"type": "BOOKMARK", "revision": line["revision"]})
             return
         if not self.heard:
             self.heard = True
@@ -226,6 +229,7 @@ class Shared:
         self.gate = asyncio.Semaphore(CONNECTS_IN_FLIGHT)
         self.all_open = asyncio.Event()
         self.target = 1 << 30
+        self.at_error = False  # resume from an ERROR line's revision (not the plugin's way)
         self.open = self.lines = self.duplicates = self.relists = 0
         self.attempts: list[float] = []
         self.ends: dict[str, int] = {}
@@ -259,6 +263,7 @@ async def _wait(streams: list[Stream], want: dict[str, int], timeout_s: float) -
 async def main_async(args: argparse.Namespace) -> None:
     filters = {"model": args.model} | ({"role": args.role} if args.role else {})
     shared = Shared(args.urls.split(","), filters, args.prefix)
+    shared.at_error = args.resume_at_error
     streams = [Stream(shared, args.revision) for _ in range(args.streams)]
     tasks = [asyncio.create_task(s.run()) for s in streams]
     tasks.append(asyncio.create_task(_ticker(shared)))
@@ -315,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, required=True)
     parser.add_argument("--prefix", required=True, help="record groups whose id starts so")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--resume-at-error",
+        action="store_true",
+        help="resume from a final ERROR line's revision (workers.watch resumes from the last "
+        "event's revision minus one)",
+    )
     args = parser.parse_args(argv)
     try:
         import uvloop

@@ -104,6 +104,10 @@ def _row(store: str, r: dict[str, Any]) -> str:
     rel, ceil, st = r["relaunch"], r["ceiling"], r["steady"]
     rs = r["restart"]
     check, rec = rs["check"], rs["reconnects"]
+    if r.get("resume_at_error") or not rs.get("writes_in_shutdown", True):
+        modes = ["no write in the shutdown"] if not rs.get("writes_in_shutdown", True) else []
+        modes += ["resumed at the ERROR line"] if r.get("resume_at_error") else []
+        store = f"{store} ({', '.join(modes)})"
     return (
         f"| {store} | {r['ranks']:,} | {r['streams']:,} | {rel['p50_ms']} / {rel['p99_ms']} / "
         f"{rel['max_ms']} ({rel['missing']} missing) | {ceil['relaunch'].get('p99_ms')} | "
