@@ -30,6 +30,7 @@ QUESTIONS = (
     "fleet",
     "feed_lag",
     "decoders",
+    "overload",
 )
 
 
