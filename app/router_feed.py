@@ -20,6 +20,7 @@ from typing import Any
 log = logging.getLogger("engine_registry.router_sync")
 
 SEND_HWM = 1000  # messages queued a router (ZMQ's default); a round larger waits for room
+ROUTER_EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
 
 
 class VllmRouter:
@@ -98,4 +99,4 @@ def _said(router: VllmRouter, total: int, deadline_s: float) -> None:
                     router.address, total)  # fmt: skip
 
 
-__all__ = ["SEND_HWM", "VllmRouter", "announce"]
+__all__ = ["ROUTER_EXPIRY_S", "SEND_HWM", "VllmRouter", "announce"]

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from app.compat import mismatches
-from app.router_feed import VllmRouter, announce
+from app.router_feed import ROUTER_EXPIRY_S, VllmRouter, announce
+from app.router_sight import Sight
 
 if TYPE_CHECKING:
     from app.router_smg import Smg
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engine_registry.router_sync")
 
-ROUTER_EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
 DECODING = ("decode", "both")
 DEFAULT_GRACE_S = 30.0  # blind this long, offer nothing (the workers' default lease ttl)
 
@@ -169,6 +169,7 @@ class Groups:
         self.lock = threading.Lock()
         self.engines: dict[str, Any] = {}
         self.synced = threading.Event()
+        self.version = 0
         self.changed = threading.Event()  # set by each event: a round runs at once (smg)
         self.revision = 0
         self.clock = clock
@@ -179,6 +180,7 @@ class Groups:
         with self.lock:
             self.heard, self.cause = self.clock(), ""
             self.revision = event.revision
+            self.version += event.type != "BOOKMARK"  # the groups changed
             if event.type == "SYNC":
                 self.engines = {e.group_id: e for e in event.groups}
                 self.synced.set()
@@ -198,8 +200,11 @@ class Groups:
             return self.clock() - self.heard, self.cause
 
     def snapshot(self) -> list[Any]:
+        return self.versioned()[1]
+
+    def versioned(self) -> tuple[int, list[Any]]:
         with self.lock:
-            return list(self.engines.values())
+            return self.version, list(self.engines.values())
 
 
 def follow(
@@ -257,8 +262,18 @@ class Announcer:
         self.deadline_s = deadline_s  # a round's sends take at most this long
         self.offered: dict[tuple[str, str], Offered] = {}
         self.left_out: dict[str, str] = {}
+        self.version: int | None = None
+        self.packed: list[bytes] = []
 
-    def round(self, engines: Iterable[Any]) -> list[Offered]:
+    def round(self, engines: Iterable[Any], version: int | None = None) -> None:
+        """``version`` (`Groups.versioned`): the groups unchanged since the last round, the
+        same list is sent without working it out again (0.8 s at 12,500 instances)."""
+        if version is None or version != self.version:
+            self.offer(engines)
+            self.version = version
+        announce(self.routers, self.packed, self.deadline_s)
+
+    def offer(self, engines: Iterable[Any]) -> None:
         offered, left_out = offer(engines, self.model)
         now = {(o.group_id, o.kind): o for o in offered}
         for key, item in now.items():
@@ -280,45 +295,7 @@ class Announcer:
             if self.left_out.get(gid) != cause and not any(k[0] == gid for k in self.offered):
                 log.warning("router-sync: not offering %s: %s", gid, cause)
         self.offered, self.left_out = now, left_out
-        announce(self.routers, [o.packed() for o in offered], self.deadline_s)
-        return offered
-
-
-class Sight:
-    """Whether router-sync can still vouch for what it offers: blind (nothing heard from a
-    registry) longer than ``grace_s``, it cannot; each change of that is said in one line."""
-
-    def __init__(self, grace_s: float, alive_file: Path | None) -> None:
-        self.grace_s = grace_s
-        self.alive_file = alive_file
-        self.blinded = False
-        self.since = 0.0  # when the watch last heard something, once blind past the grace
-
-    def vouches(self, groups: Groups, offered: int) -> bool:
-        blind_s, cause = groups.blind()
-        if blind_s <= self.grace_s:
-            if self.blinded:
-                back = time.monotonic() - self.since
-                log.warning("router-sync: the watch is back after %.0f s blind; offering the "
-                            "registry's instances again", back)  # fmt: skip
-            self.blinded = False
-            return True
-        if not self.blinded:
-            self.since = time.monotonic() - blind_s
-            probe = f"; {self.alive_file} is no longer touched" if self.alive_file else ""
-            log.error(
-                "router-sync: blind for %.0f s, past the %g s grace (%s): no longer offering "
-                "the %d instances it last saw (the routers forget them within %g s)%s; "
-                "offering again once the watch is back",
-                blind_s, self.grace_s, cause or "nothing heard on the watch, not even a "
-                "bookmark", offered, ROUTER_EXPIRY_S, probe,
-            )  # fmt: skip
-        self.blinded = True
-        return False
-
-    def alive(self) -> None:
-        if self.alive_file is not None:
-            self.alive_file.touch()
+        self.packed = [o.packed() for o in offered]
 
 
 def run(
@@ -364,7 +341,8 @@ def run(
             if groups.synced.is_set():
                 vouches = sight.vouches(groups, len(announcer.offered))
                 if vouches and routers:
-                    announcer.round(groups.snapshot())
+                    version, engines = groups.versioned()
+                    announcer.round(engines, version)
                 if smgs:
                     blind = "" if vouches else "router-sync is blind past its grace"
                     feeds.round(groups.snapshot() if vouches else None, blind)

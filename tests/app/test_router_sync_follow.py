@@ -80,3 +80,29 @@ def test_groups_say_since_when_the_watch_is_blind_and_why() -> None:
     assert groups.blind() == (12.0, "401 unauthorized: rotated")
     groups.apply(WatchEvent("BOOKMARK", 4))  # a bookmark is word from the registry
     assert groups.blind() == (0.0, "")
+
+
+def test_a_round_on_unchanged_groups_sends_the_same_list_without_working_it_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import app.router_sync as router_sync
+
+    calls: list[int] = []
+
+    def counted(engines: Any, model: str | None = None) -> tuple[list[Any], dict[str, str]]:
+        calls.append(1)
+        return [], {}
+
+    monkeypatch.setattr(router_sync, "offer", counted)
+    groups = Groups()
+    groups.apply(WatchEvent("SYNC", 3, groups=[]))
+    announcer = router_sync.Announcer([], None)
+    for _ in range(3):
+        announcer.round(*reversed(groups.versioned()))
+    assert len(calls) == 1  # 12,500 instances: 0.8 s each round before
+    groups.apply(WatchEvent("BOOKMARK", 4))  # not a change of the groups
+    announcer.round(*reversed(groups.versioned()))
+    assert len(calls) == 1
+    groups.apply(WatchEvent("DELETED", 5, engine=None))
+    announcer.round(*reversed(groups.versioned()))
+    assert len(calls) == 2
