@@ -4,9 +4,10 @@ fleet size, against a real registry and a real vllm-router.
 The instances are published through the registry's API (`tests.support.serving_fleet`: TP 1
 groups, half prefill and half decode, one model, ready, published where they serve). Then, in
 this process as ``engine-registry router-sync`` does it: the watch's first list (timed), and
-``--rounds`` rounds one second apart, each timed in its two parts: what is offered
-(`app.router_sync.offer`; in a steady fleet there is no change to log) and the sends to the router
-(`app.router_feed.announce`). The router's own view comes from its log: instances it added and
+``--rounds`` rounds one second apart after a change, each timed in its two parts: what is
+offered (`app.router_sync.offer`) and the sends to the router (`app.router_feed.announce`);
+then ``--rounds`` steady rounds (`Announcer.round` with the groups unchanged: the same list sent
+again, not worked out). The router's own view comes from its log: instances it added and
 expired. Nothing is asserted; the figures are printed as JSON.
 """
 
@@ -28,7 +29,7 @@ def measure(instances: int, rounds: int) -> dict[str, Any]:
     import zmq
 
     from app.router_feed import VllmRouter, announce
-    from app.router_sync import offer
+    from app.router_sync import Announcer, offer
     from tests.support.server import RegistryProcess
     from tests.support.serving_fleet import publish
     from workers.client import RegistryClient
@@ -60,12 +61,22 @@ def measure(instances: int, rounds: int) -> dict[str, Any]:
                 send_s.append(done - offered_at)
                 sent.append(target.sent)
                 threading.Event().wait(max(0.0, 1.0 - (done - started)))
+            # Steady rounds: nothing changed since the last, the same list is sent again.
+            announcer = Announcer([target], None, deadline_s=1.0)
+            announcer.round(engines, 1)
+            steady_s = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                announcer.round(engines, 1)
+                steady_s.append(time.perf_counter() - started)
+                threading.Event().wait(max(0.0, 1.0 - steady_s[-1]))
             text = router.log_text()
             out |= {
                 "offered": len(offered),
                 "offer_s": _spread(offer_s),
                 "send_s": _spread(send_s),
                 "round_s": _spread([a + b for a, b in zip(offer_s, send_s, strict=True)]),
+                "steady_round_s": _spread(steady_s),
                 "sent_min": min(sent),
                 "router_added": len(re.findall(r"Add (?:Prefill|Decode) \[HTTP:", text)),
                 "router_expired": len(re.findall(r"Remove (?:Prefill|Decode) .*expired", text)),
