@@ -19,6 +19,7 @@ from workers.tools.vllm_launch import VLLM_VENV, Registry, build_model
 
 FIGURES: dict[str, float] = {}
 REQUESTS: dict[str, str] = {}  # a node's registry requests (registry_requests.py)
+DP_RANKS: dict[str, str] = {}  # per data-parallel rank (test_vllm_dp.py)
 # What machine and which CPU kernels a run covered (the tests add vLLM's attention ISA).
 _AMX = cpu_amx.state()
 MACHINE: dict[str, str] = {
@@ -56,6 +57,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if REQUESTS:
         terminalreporter.section("registry requests per node (the registry's access log)")
         for key, text in REQUESTS.items():
+            terminalreporter.write_line(f"{key}: {text}")
+    if DP_RANKS:
+        terminalreporter.section("data-parallel prefill, per DP rank")
+        for key, text in DP_RANKS.items():
             terminalreporter.write_line(f"{key}: {text}")
 
 
