@@ -2,7 +2,7 @@
 registry through its worker API.
 
 smg learns workers from ``POST /workers`` (a `WorkerSpec`: ``url``, ``worker_type`` prefill |
-decode, ``connection_mode`` grpc | http, ``runtime_type`` vllm, ``models``, ``kv_connector``,
+decode, ``connection_mode`` grpc | http, ``runtime_type`` vllm, ``kv_connector``,
 ``kv_engine_id``, ``labels``, ``health``), lists them at ``GET /workers`` (each with its ``id``)
 and forgets one at ``DELETE /workers/{id}`` (202; it is marked draining at once, so no new
 request goes to it, and leaves the list after its ``health.drain_settle_secs``). Unlike
@@ -55,23 +55,22 @@ class Wanted:
     model: str
 
     def spec(self, drain_s: int) -> dict[str, Any]:
-        labels = {
-            OWNER: "1",
-            GROUP: self.group_id,
-            ENGINE: self.engine_id,
-            GENERATION: str(self.generation),
-        }
-        return {
+        labels = {OWNER: "1", GROUP: self.group_id, ENGINE: self.engine_id}
+        labels[GENERATION] = str(self.generation)
+        grpc = self.url.startswith("grpc://")
+        spec: dict[str, Any] = {
             "url": self.url,
             "worker_type": self.role,
-            "connection_mode": "grpc" if self.url.startswith("grpc://") else "http",
+            "connection_mode": "grpc" if grpc else "http",
             "runtime_type": "vllm",
-            "models": [{"id": self.model}],
             "kv_connector": "NixlConnector",
             "kv_engine_id": self.engine_id,
             "labels": labels,
             "health": {"drain_settle_secs": drain_s},
         }
+        if not grpc:  # over gRPC smg reads the model's whole card (tokenizer, capabilities)
+            spec["models"] = [{"id": self.model}]
+        return spec
 
     def describe(self) -> str:
         return (
@@ -175,7 +174,13 @@ class Smg:
             self.failing = ""
         return list(answer.json().get("workers") or [])
 
-    def sync(self, want: Sequence[Wanted], left_out: dict[str, str], blind: str = "") -> None:
+    def sync(
+        self,
+        want: Sequence[Wanted],
+        left_out: dict[str, str],
+        blind: str = "",
+        current: dict[str, tuple[str, int]] | None = None,
+    ) -> None:
         """Make smg's list what ``want`` says; each change one line with its cause."""
         workers = self.listed()
         if workers is None:
@@ -210,7 +215,7 @@ class Smg:
             busy.add(url)
             if str(worker.get("status", "")).lower() == "draining":
                 continue  # withdrawn already, leaving after its drain
-            cause = blind or self._cause(labels, w, by_group, left_out)
+            cause = blind or self._cause(labels, w, by_group, left_out, current or {})
             if self._delete(worker):
                 log.warning(
                     "router-sync: smg %s: withdraw %s: %s", self.url, _described(worker), cause
@@ -228,6 +233,7 @@ class Smg:
         w: Wanted | None,
         by_group: dict[str, Wanted],
         left_out: dict[str, str],
+        current: dict[str, tuple[str, int]],
     ) -> str:
         group = labels.get(GROUP, "")
         successor = w if w is not None and w.group_id == group else by_group.get(group)
@@ -237,6 +243,11 @@ class Smg:
             return f"it now serves at {successor.url} as {successor.role}"
         if w is not None:
             return f"its URL now serves {w.describe()}"
+        engine_id, generation = current.get(group, ("", 0))
+        if engine_id and engine_id != labels.get(ENGINE):
+            return f"superseded by generation {generation}"
+        if not engine_id and current:
+            return "its group is no longer in the registry"
         return left_out.get(group, "no longer in the registry as serving")
 
     def _delete(self, worker: dict[str, Any]) -> bool:
@@ -275,17 +286,20 @@ class SmgFeeds:
     def round(self, engines: Iterable[Any] | None, blind: str = "") -> list[Wanted]:
         """``engines`` None: router-sync no longer vouches for anything (blind past its
         grace, ``blind`` says why): every worker it registered is withdrawn."""
+        current: dict[str, tuple[str, int]] = {}
         if engines is None:
             want: list[Wanted] = []
             left_out: dict[str, str] = {}
         else:
+            engines = list(engines)
+            current = {e.group_id: (e.engine_id, e.generation) for e in engines}
             want, left_out = wanted(engines, self.model)
             for gid, cause in left_out.items():
                 if self.left_out.get(gid) != cause:
                     log.warning("router-sync: smg: not registering %s: %s", gid, cause)
             self.left_out = left_out
         for smg in self.smgs:
-            smg.sync(want, left_out, blind)
+            smg.sync(want, left_out, blind, current)
         return want
 
     def close(self) -> None:
