@@ -15,7 +15,9 @@ leader gives every lease a fresh ttl):
   last ran. A gap longer than ``stall_s`` between two ticks (the process stopped, or starved,
   or one callback held the loop: a heartbeat sent then waited in the kernel) is a stall:
   every lease live when it began gets the stall's length added to its expiry, at most
-  ``grace_s`` in all since the lease's last renewal. A restart is a stall too: the time since
+  ``grace_s`` in all since the lease's last renewal. A loop that keeps lagging is one too:
+  the lateness of ticks later than ``LAG_FLOOR_S`` adds up, and every ``stall_s`` of it is
+  credited as a stall. A restart is a stall too: the time since
   the file's latest renewal. The gap is found by the timer or by the first lease judgement
   after it, whichever runs first, so a heartbeat queued during the stall is judged after the
   credit.
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 ARRIVED: contextvars.ContextVar[float | None] = contextvars.ContextVar("arrived", default=None)
 
 TICK_S = 0.05  # the loop watch's period
+LAG_FLOOR_S = 0.1  # a tick later than this: the loop lags, and renewals wait that long
 
 
 @dataclass
@@ -99,12 +102,20 @@ class LoopWatch:
         self._last = time.monotonic()  # the loop last seen running
         self.seen = time.time()  # the same, wall clock: a judgement checks it (``late``)
         self._due = self._last + TICK_S
+        self._owed = 0.0  # lateness of ticks past LAG_FLOOR_S not yet credited as a stall
+        self._owed_since = 0.0
         self._handle = loop.call_later(TICK_S, self._tick)
 
     def _tick(self) -> None:
         now = time.monotonic()
         self.lag = max(0.0, now - self._due)
-        self.note(now)
+        if not self.note(now) and self.lag > LAG_FLOOR_S:  # a lagging loop, not one gap
+            if not self._owed:
+                self._owed_since = time.time() - self.lag
+            self._owed += self.lag
+            if self._owed > CLOCK.stall_s:
+                self._stall(self._owed_since, self._owed)
+                self._owed = 0.0
         self._due = now + TICK_S
         self._handle = self.loop.call_later(TICK_S, self._tick)
 
@@ -112,13 +123,19 @@ class LoopWatch:
         """The loop's lag: the last tick's, or the current tick's if it is already late."""
         return max(self.lag, time.monotonic() - self._due)
 
-    def note(self, now: float | None = None) -> None:
-        """The loop runs now: a gap since it was last seen running past the threshold is a stall."""
+    def note(self, now: float | None = None) -> bool:
+        """The loop runs now: a gap since it was last seen running past the threshold is a
+        stall (True: one was)."""
         now = time.monotonic() if now is None else now
         gap, self._last, self.seen = now - self._last, now, time.time()
         if gap > CLOCK.stall_s:
-            self.stalls.append((time.time() - gap, gap))
-            self.count += 1
+            self._stall(self.seen - gap, gap)
+            return True
+        return False
+
+    def _stall(self, began: float, seconds: float) -> None:
+        self.stalls.append((began, seconds))
+        self.count += 1
 
     def late(self, now: float) -> bool:
         """Whether the timer is late past a stall at wall time ``now`` (then ``note`` it)."""

@@ -75,6 +75,22 @@ def test_a_stall_of_the_loop_stops_the_leases_clock(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_loop_that_keeps_lagging_stops_the_leases_clock(tmp_path: Path) -> None:
+    async def main() -> None:
+        store, lease_id = await _store_with_lease(tmp_path / "lag.db")
+        try:
+            await asyncio.sleep(0.1)
+            store._leases[lease_id].expires_at = time.time() + 1.5
+            for _ in range(6):  # six callbacks of 0.35 s: no one gap is a stall, 2.1 s in all
+                _stall_the_loop(0.35)
+                await asyncio.sleep(0.06)  # the watch's timer runs, late
+            assert await store.get("agent/0") is not None, "lapsed while the loop lagged"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 def test_the_grace_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CLOCK, "grace_s", 0.3)
 
