@@ -51,6 +51,7 @@ from workers.tools.vllm_procs import (
     Registry,
     Tokens,
     base_env,
+    free_port_run,
     say,
     vllm_python,
 )
@@ -91,6 +92,10 @@ class Instance:
     dp_rpc_port: int = field(default_factory=free_port)
     procs: list[Proc] = field(default_factory=list)
     started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.dp > 1:  # rank r's side channel is at base + r: all of them free
+            self.side_channel_port = free_port_run(self.dp)
 
     @property
     def url(self) -> str:
