@@ -194,6 +194,14 @@ class StoreUnavailable(RegistryError, Unavailable):
     title = "The registry's store does not answer"
 
 
+class Overloaded(RegistryError):
+    """A read that can wait, shed while the registry is saturated (app/shedding.py)."""
+
+    status = 503
+    code = "overloaded"
+    title = "The registry is saturated; retry after Retry-After seconds"
+
+
 def at_edge(error: RegistryError | Unavailable) -> RegistryError:
     """The problem to answer: a registry error as it is, a store's ``Unavailable`` as 503."""
     if isinstance(error, RegistryError):

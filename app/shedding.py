@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from app.errors import HttpProblem
+from app.errors import Overloaded
 from app.metrics import Metrics
 from app.problems import send_problem
 from app.settings import Settings
@@ -55,9 +55,7 @@ class Shedder:
             counter = self._counters[path] = metrics.shed.labels(path)
         counter.inc()
         scope["route"] = SimpleNamespace(path=path)  # counted by its path, as a route is
-        problem = HttpProblem(
-            503,
-            "overloaded",
+        problem = Overloaded(
             f"The registry is saturated ({why}) and serves heartbeats, registrations and "
             f"handshakes first; retry this {path} after Retry-After seconds.",
         )
