@@ -100,8 +100,10 @@ class VllmRouterProcess(_Process):
 
 
 class SmgProcess(_Process):
-    """``smg launch --pd-disaggregation`` with no worker on its command line: router-sync
-    registers them through its worker API, authenticated with ``api_key`` (an admin key).
+    """``smg launch --enable-igw --pd-disaggregation`` with no worker on its command line:
+    router-sync registers them through its worker API, authenticated with ``api_key`` (an
+    admin key). ``--enable-igw``: with no URL at start smg 1.13 otherwise builds only its HTTP
+    router, which never selects gRPC workers registered later (docs/routers.md).
     ``worker_urls``: a plain (not PD) smg in front of those workers instead."""
 
     def __init__(
@@ -132,7 +134,7 @@ class SmgProcess(_Process):
         return list(answer.json()["workers"])
 
     def start(self, timeout_s: float = 30.0) -> SmgProcess:
-        fixed = "launch --host 127.0.0.1 --policy round_robin --log-level info"
+        fixed = "launch --host 127.0.0.1 --policy round_robin --log-level info --enable-igw"
         cmd = [_binary("smg", SMG_PIN), *fixed.split(), "--port", str(self.port)]
         cmd += ["--worker-urls", *self.worker_urls] if self.worker_urls else ["--pd-disaggregation"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
