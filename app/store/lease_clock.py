@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 ARRIVED: contextvars.ContextVar[float | None] = contextvars.ContextVar("arrived", default=None)
 
 TICK_S = 0.05  # the loop watch's period
+SUSTAINED = 4  # ticks: the shedding signal is the loop's lag over all of them
 LAG_FLOOR_S = 0.1  # a tick later than this: the loop lags, and renewals wait that long
 
 
@@ -97,6 +98,7 @@ class LoopWatch:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.lag = 0.0  # the last tick's lateness, seconds
+        self.lags: deque[float] = deque([0.0] * SUSTAINED, maxlen=SUSTAINED)  # the last ones
         self.stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (began, seconds), wall
         self.count = 0  # stalls seen in all
         self._last = time.monotonic()  # the loop last seen running
@@ -109,6 +111,7 @@ class LoopWatch:
     def _tick(self) -> None:
         now = time.monotonic()
         self.lag = max(0.0, now - self._due)
+        self.lags.append(self.lag)
         if not self.note(now) and self.lag > LAG_FLOOR_S:  # a lagging loop, not one gap
             if not self._owed:
                 self._owed_since = time.time() - self.lag
@@ -120,8 +123,9 @@ class LoopWatch:
         self._handle = self.loop.call_later(TICK_S, self._tick)
 
     def lag_now(self) -> float:
-        """The loop's lag: the last tick's, or the current tick's if it is already late."""
-        return max(self.lag, time.monotonic() - self._due)
+        """The loop's sustained lag: the least lateness of the last ``SUSTAINED`` ticks (one
+        hiccup, a collection or a descheduled moment, is not saturation)."""
+        return min(self.lags)
 
     def note(self, now: float | None = None) -> bool:
         """The loop runs now: a gap since it was last seen running past the threshold is a
