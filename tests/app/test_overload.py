@@ -70,6 +70,26 @@ def test_a_heartbeat_queued_while_the_registry_stalled_renews_its_lease(tmp_path
         reg.stop()
 
 
+def test_a_lease_outlives_a_registry_restart_longer_than_its_ttl(tmp_path: Path) -> None:
+    reg = RegistryProcess(
+        f"sqlite:///{tmp_path / 'restart.db'}", args=QUIET, log_path=tmp_path / "reg.log"
+    ).start()
+    try:
+        with httpx.Client(base_url=reg.url, timeout=30) as http:
+            group, engine_id = _live_rank(http, ttl_s=5)
+            path = f"/tp-groups/{group}/engine/agents/0/heartbeat"
+            assert http.post(path, json={"engine_id": engine_id}).status_code == 200
+            time.sleep(1.5)  # the renewal reaches the file (the sweep, every second)
+        reg.kill()  # SIGKILL: no drain, no last write
+        time.sleep(7)  # down longer than the lease had left
+        reg.start()
+        with httpx.Client(base_url=reg.url, timeout=30) as http:
+            again = http.post(path, json={"engine_id": engine_id})
+            assert again.status_code == 200, f"lapsed while no registry ran: {again.text}"
+    finally:
+        reg.stop()
+
+
 def _flood(url: str, paths: list[str], seconds: float, concurrency: int, out: Any) -> None:
     """One process: ``concurrency`` clients reading ``paths`` in turn for ``seconds``."""
     counts: dict[str, int] = {}
