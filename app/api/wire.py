@@ -117,11 +117,12 @@ class WireProtocol(HttpToolsProtocol):
         hot = self.app
         assert isinstance(hot, HotPath)
         self.cycle = answering = self._answering = _Answering()
-        if scope["path"].endswith("/heartbeat"):  # the sweeper spares leases it reached in time
-            scope["in_flight"] = IN_FLIGHT.begin(scope["arrived"])
         task = self.loop.create_task(self._hot_answer(hot, scope, taken, raw, answering))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        if scope["path"].endswith("/heartbeat"):  # the sweeper spares leases it reached in time
+            token = IN_FLIGHT.begin(scope["arrived"])  # ended however the task ends
+            task.add_done_callback(lambda _: IN_FLIGHT.end(token))
         return True
 
     async def _hot_answer(
@@ -131,7 +132,6 @@ class WireProtocol(HttpToolsProtocol):
         try:
             answer = await hot.answer(scope, taken, raw)  # every Exception is a problem answer
         finally:
-            IN_FLIGHT.end(scope.get("in_flight", -1))
             if self._answering is answering:
                 self._answering = None
         if answering.disconnected or self.transport.is_closing():
