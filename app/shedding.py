@@ -1,13 +1,14 @@
 """Shed what can wait, so that a saturated registry still serves heartbeats in time.
 
-The signal is the event loop's lag (``app/store/lease_clock.py``'s ``LoopWatch``: a timer
-every 50 ms, its lateness), which is how long any request waits before the registry even
-reads it. Past ``lag_s`` (``REGISTRY_SHED_LAG_S``), or with ``in_flight`` sheddable requests
-already being answered (``REGISTRY_SHED_IN_FLIGHT``), a request for one of the ``routes``
-(``REGISTRY_SHED_ROUTES``: GET of the status page, /events, /metrics, the list pages and new
-watch streams by default) answers ``503 overloaded`` with ``Retry-After`` at once, before any
-of its work; heartbeats, registrations, opens, handshakes, engine reads and the health probes
-are never shed. Each shed request is counted in ``registry_shed_requests_total`` by route.
+The signal is the event loop's sustained lag (``app/store/lease_clock.py``'s ``LoopWatch``: a
+timer every 50 ms, the least lateness of its last 4 ticks), which is how long any request
+waits before the registry even reads it. Past ``lag_s`` (``REGISTRY_SHED_LAG_S``), or with
+``in_flight`` sheddable requests already being answered (``REGISTRY_SHED_IN_FLIGHT``), a
+request for one of the ``routes`` (``REGISTRY_SHED_ROUTES``: GET of the status page, /events,
+/metrics, the list pages and new watch streams by default) answers ``503 overloaded`` with
+``Retry-After`` at once, before any of its work; heartbeats, registrations, opens, handshakes,
+engine reads and the health probes are never shed. Each shed request is counted in
+``registry_shed_requests_total`` by route.
 """
 
 from __future__ import annotations
