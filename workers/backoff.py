@@ -9,7 +9,9 @@ success starts the sequence again; ``deadline_s`` (optional) bounds the whole se
 ``expired`` says when it has passed, and no pause runs past it.
 
 Used by the watch (`workers.watch`), the decode side's release follower
-(`workers.vllm_plugin.release`), router-sync and ``engine-registry status --watch``.
+(`workers.vllm_plugin.release`), router-sync, ``engine-registry status --watch``, and the
+service's own watch feed (`app.watch.feed`): the one module of ``workers`` the service imports,
+so it imports nothing but the standard library (`tests/test_require_all.py` checks).
 """
 
 from __future__ import annotations

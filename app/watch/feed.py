@@ -30,6 +30,7 @@ from app.schemas import Engine
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
 from app.watch.history import ENTRY_BYTES, EVENT_BASE_BYTES, EventLog, Group, GroupEvent
 from app.watch.rendered import Rendered
+from workers.backoff import Backoff
 
 log = logging.getLogger("app.watch")
 
@@ -135,7 +136,11 @@ class Feed:
         self._wake()
 
     async def _run(self) -> None:
+        """Follow the store; after a failure, the one back-off policy (``workers.backoff``:
+        full jitter, so the replicas of an etcd store that lost a member do not all come
+        back to the next one in the same instant), reset by the next change applied."""
         fresh = True
+        pauses = Backoff(base_s=0.2, cap_s=5.0)
         while not self.closing:
             try:
                 if fresh:
@@ -144,7 +149,9 @@ class Feed:
                 stream = self.store.changes(PREFIX, self.progress + 1, self.progress_s, self._nudge)
                 async for batch in stream:
                     self._apply(batch)
-                    self.failure = None
+                    if self.failure is not None or pauses.tries:
+                        self.failure = None
+                        pauses.reset()
             except Compacted as exc:
                 log.warning(
                     "watch history compacted: reading the groups again",
@@ -153,11 +160,11 @@ class Feed:
                 fresh = True
             except Unavailable as exc:
                 self.failure = exc.detail
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(pauses.next())
             except Exception:
                 log.exception("the watch feed failed; following again")
                 self.failure = "the watch feed failed"
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(pauses.next())
 
     def _apply(self, batch: ChangeBatch) -> None:
         if batch.changes:
