@@ -236,32 +236,50 @@ class RegistryClient:
         *,
         revision: int | None = None,
         role: Role | None = None,
+        model: str | None = None,
         bookmarks: bool = False,
         idle_timeout_s: float = 20.0,
         lost_after_s: float = 30.0,
+        backoff: Backoff | None = None,
     ) -> GroupWatch:
         """Every change of every group, as it lands (`workers.watch`): a `SYNC` of the groups
         first (unless started at `revision`), then each change once, in order, across
-        replicas and relists; `WatchLost` when no replica answers for `lost_after_s`."""
+        replicas and relists; `WatchLost` when no replica answers for `lost_after_s`.
+        `role`/`model`: the server's filters (a group leaving them comes as `DELETED`);
+        `backoff`: the pauses between tries (default `workers.watch`'s)."""
         return GroupWatch(
-            self, revision=revision, role=role, bookmarks=bookmarks,
-            idle_timeout_s=idle_timeout_s, lost_after_s=lost_after_s,
-        )  # fmt: skip
+            self,
+            revision=revision,
+            role=role,
+            model=model,
+            bookmarks=bookmarks,
+            idle_timeout_s=idle_timeout_s,
+            lost_after_s=lost_after_s,
+            backoff=backoff,
+        )
 
     def awatch(
         self,
         *,
         revision: int | None = None,
         role: Role | None = None,
+        model: str | None = None,
         bookmarks: bool = False,
         idle_timeout_s: float = 20.0,
         lost_after_s: float = 30.0,
+        backoff: Backoff | None = None,
     ) -> AsyncGroupWatch:
         """`watch`, as an asynchronous iterator."""
         return AsyncGroupWatch(
-            self, revision=revision, role=role, bookmarks=bookmarks,
-            idle_timeout_s=idle_timeout_s, lost_after_s=lost_after_s,
-        )  # fmt: skip
+            self,
+            revision=revision,
+            role=role,
+            model=model,
+            bookmarks=bookmarks,
+            idle_timeout_s=idle_timeout_s,
+            lost_after_s=lost_after_s,
+            backoff=backoff,
+        )
 
     def delete_group(self, group_id: str, *, timeout_s: float | None = None) -> None:
         self.request("DELETE", group_path(group_id), timeout_s=timeout_s)

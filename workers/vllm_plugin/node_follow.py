@@ -50,7 +50,7 @@ from workers.errors import RegistryUnavailable
 from workers.models import Engine
 from workers.vllm_plugin import common
 from workers.vllm_plugin.settings import PluginSettings
-from workers.watch import GroupWatch, WatchEvent
+from workers.watch import WatchEvent
 
 # (kind, engines, deleted): a SYNC's groups, or one group's change.
 OnEvent = Callable[[str, list[Engine], bool], None]
@@ -201,12 +201,8 @@ class NodeFeed:
         while not self._stop.is_set():
             try:
                 with common.client(self._settings) as client:
-                    watch = GroupWatch(
-                        client,
-                        revision=None,
-                        role=None,
+                    watch = client.watch(
                         model=self.model,
-                        bookmarks=False,
                         idle_timeout_s=IDLE_TIMEOUT_S,
                         lost_after_s=LOST_AFTER_S,
                         backoff=Backoff(base_s=WATCH_BASE_S, cap_s=WATCH_CAP_S),
