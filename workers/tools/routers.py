@@ -104,7 +104,7 @@ class SmgProcess(_Process):
     router-sync registers them through its worker API, authenticated with ``api_key`` (an
     admin key). ``--enable-igw``: with no URL at start smg 1.13 otherwise builds only its HTTP
     router, which never selects gRPC workers registered later (docs/routers.md).
-    ``worker_urls``: a plain (not PD) smg in front of those workers instead."""
+    ``pd=False``: a plain (not PD) smg, for regular workers."""
 
     def __init__(
         self,
@@ -112,11 +112,11 @@ class SmgProcess(_Process):
         *,
         api_key: str = "smg-admin-key",
         model_path: Path | None = None,
-        worker_urls: Sequence[str] = (),
+        pd: bool = True,
         name: str = "smg",
     ) -> None:
         super().__init__(name, workdir / f"{name}.log")
-        self.worker_urls = list(worker_urls)
+        self.pd = pd
         self.port = free_port()
         self.api_key = api_key
         self.model_path = model_path  # its tokenizer, which gRPC workers need
@@ -133,10 +133,16 @@ class SmgProcess(_Process):
         answer.raise_for_status()
         return list(answer.json()["workers"])
 
+    def register(self, spec: dict[str, Any]) -> None:
+        """``POST /workers`` (202: registration under way)."""
+        answer = httpx.post(f"{self.url}/workers", json=spec, headers=self.headers(), timeout=5)
+        if answer.status_code != 202:
+            raise RuntimeError(f"smg refused {spec}: {answer.status_code} {answer.text}")
+
     def start(self, timeout_s: float = 30.0) -> SmgProcess:
-        fixed = "launch --host 127.0.0.1 --policy round_robin --log-level info --enable-igw"
+        fixed = "launch --host 127.0.0.1 --policy round_robin --log-level info"
         cmd = [_binary("smg", SMG_PIN), *fixed.split(), "--port", str(self.port)]
-        cmd += ["--worker-urls", *self.worker_urls] if self.worker_urls else ["--pd-disaggregation"]
+        cmd += ["--enable-igw", *(["--pd-disaggregation"] if self.pd else [])]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         cmd += ["--control-plane-api-keys", f"router-sync:router-sync:admin:{self.api_key}"]
         if self.model_path is not None:
