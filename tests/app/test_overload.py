@@ -24,6 +24,7 @@ from tests.support.server import RegistryProcess
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 QUIET = ["--no-access-log", "--log-level", "warning"]
+FLOOD = ["/status", "/tp-groups", "/events"]
 
 
 def gid(prefix: str) -> str:
@@ -91,7 +92,9 @@ def test_a_lease_outlives_a_registry_restart_longer_than_its_ttl(tmp_path: Path)
 
 
 def _flood(url: str, paths: list[str], seconds: float, concurrency: int, out: Any) -> None:
-    """One process: ``concurrency`` clients reading ``paths`` in turn for ``seconds``."""
+    """One process: ``concurrency`` clients reading ``paths`` in turn for ``seconds``, at a
+    low CPU priority (readers elsewhere would not take the registry's CPU on these 2 cores)."""
+    os.nice(5)
     counts: dict[str, int] = {}
 
     async def reader(client: httpx.AsyncClient, deadline: float) -> None:
@@ -123,7 +126,7 @@ def _flood(url: str, paths: list[str], seconds: float, concurrency: int, out: An
 def test_a_read_flood_is_shed_with_retry_after_and_a_live_rank_keeps_its_lease(
     tmp_path: Path,
 ) -> None:
-    args = [*QUIET, "--shed-lag-s", "0.05", "--shed-in-flight", "4", "--shed-retry-after-s", "1"]
+    args = [*QUIET, "--shed-lag-s", "0.05", "--shed-in-flight", "2", "--shed-retry-after-s", "1"]
     reg = RegistryProcess(
         f"sqlite:///{tmp_path / 'flood.db'}", args=args, log_path=tmp_path / "reg.log"
     ).start()
@@ -139,7 +142,7 @@ def test_a_read_flood_is_shed_with_retry_after_and_a_live_rank_keeps_its_lease(
             readers = [
                 spawn.Process(
                     target=_flood,
-                    args=(reg.url, ["/status", "/tp-groups", "/events"], flood_s, 16, out),
+                    args=(reg.url, FLOOD, flood_s, 16, out),
                 )
                 for _ in range(3)
             ]
@@ -167,5 +170,9 @@ def test_a_read_flood_is_shed_with_retry_after_and_a_live_rank_keeps_its_lease(
     assert shed, f"nothing was shed: {counts}"
     assert set(shed) == {"503 overloaded retry-after=1"}, counts
     assert counts.get("200", 0) > 0, f"no read was served at all: {counts}"
-    lines = [line for line in metrics.splitlines() if line.startswith("registry_shed_requests")]
-    assert any('route="/status"' in line for line in lines), lines
+    shed_lines = [
+        line for line in metrics.splitlines() if line.startswith("registry_shed_requests_total{")
+    ]
+    counted = sum(float(line.rsplit(" ", 1)[1]) for line in shed_lines)
+    assert counted >= sum(shed.values()), (shed_lines, shed)  # every one counted, by route
+    assert all(any(f'route="{p}"' in line for p in FLOOD) for line in shed_lines), shed_lines
