@@ -108,13 +108,15 @@ def _row(store: str, r: dict[str, Any]) -> str:
         modes = ["no write in the shutdown"] if not rs.get("writes_in_shutdown", True) else []
         modes += ["resumed at the ERROR line"] if r.get("resume_at_error") else []
         store = f"{store} ({', '.join(modes)})"
+    behind = check["behind_streams"]
+    back = f"not all: {behind:,} behind" if behind else rec["all_back_after_serving_s"]
     return (
         f"| {store} | {r['ranks']:,} | {r['streams']:,} | {rel['p50_ms']} / {rel['p99_ms']} / "
         f"{rel['max_ms']} ({rel['missing']} missing) | {ceil['relaunch'].get('p99_ms')} | "
         f"{st['without']['server_core_share']} → {st['with']['server_core_share']} | "
         f"{st['without']['rss_mib']} → {st['with']['rss_mib']} | {st['kib_per_stream']} | "
-        f"{check['lost']} / {check['repeated']} / {check['behind_streams']} | "
-        f"{rs['relists']} | {rec['max_per_second']} | {rec['all_back_after_serving_s']} | "
+        f"{check['lost']:,} / {check['repeated']:,} / {behind:,} | "
+        f"{rs['relists']:,} | {rec['max_per_second']:,} | {back} | "
         f"{st['with']['client_core_share']} / {rel['client_lag_p99_ms']} |"
     )
 
