@@ -97,6 +97,14 @@ class Cursor:
     def resume_from(self) -> int:
         return self.current - 1 if self.seen else self.done
 
+    def _passed(self, revision: int) -> None:
+        """The server says every change up to ``revision`` was sent (a bookmark, a final
+        ERROR line)."""
+        if revision >= self.done:
+            self.done = revision
+            if self.current <= revision:
+                self.current, self.seen = 0, set()
+
     def accept(self, line: dict[str, Any]) -> WatchEvent | None:
         """The event to deliver for a stream line (None: a duplicate); raises on ERROR."""
         kind, revision = str(line["type"]), int(line["revision"])
@@ -105,12 +113,13 @@ class Cursor:
             if problem.get("code") in _RELIST:
                 log.warning("watch: %s; listing again", problem.get("detail") or problem)
                 raise _Relist()
+            # Every change up to the line's revision was sent: resume from there, not from the
+            # last change (a restarted SQLite replica's history starts at the store's revision
+            # then, and an older one would be refused: every watcher would list again).
+            self._passed(revision)
             raise _Resume(str(problem.get("code")))
         if kind == "BOOKMARK":
-            if revision >= self.done:
-                self.done = revision
-                if self.current <= revision:
-                    self.current, self.seen = 0, set()
+            self._passed(revision)
             return WatchEvent("BOOKMARK", revision)
         engine = Engine.from_json(line["object"])
         if revision <= self.done or (revision == self.current and engine.group_id in self.seen):

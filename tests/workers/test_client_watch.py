@@ -206,3 +206,30 @@ def test_a_watch_on_a_registry_restarted_on_a_fresh_file_lists_again(tmp_path: P
             client.open_engine(later, launch_id="l0", tp_size=1, role="prefill")
             added = next(e for e in events if e.type != "BOOKMARK")
             assert (added.type, added.engine and added.engine.group_id) == ("ADDED", later)
+
+
+def test_a_watch_resumes_a_restarted_sqlite_registry_at_its_final_line_without_listing(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM ends each stream with an ERROR line at the revision it had sent everything up
+    to; the registry restarted on the same file starts its history there. The watch resumes
+    from that line's revision: no new SYNC, the next change arrives (it resumed from its last
+    change's revision minus one before, which the new history refused: every watcher listed
+    the whole fleet again)."""
+    port = free_port()
+    store = f"sqlite:///{tmp_path / 'registry.db'}"
+    args = ["--watch-bookmark-s", "0.5", "--no-access-log"]
+    groups = [gid() for _ in range(3)]
+    with RegistryClient(f"http://127.0.0.1:{port}", timeout_s=10.0) as client:
+        with RegistryProcess(store, port=port, args=args, log_path=tmp_path / "one.log"):
+            events = iter(client.watch(idle_timeout_s=5, lost_after_s=60))
+            (sync,) = take(events, 1)
+            for group in groups:  # one change each, the last one seen by the watch
+                client.open_engine(group, launch_id="l0", tp_size=1, role="prefill")
+            assert [e.engine and e.engine.group_id for e in take(events, 3)] == groups
+        with RegistryProcess(store, port=port, args=args, log_path=tmp_path / "two.log"):
+            later = gid()
+            client.open_engine(later, launch_id="l0", tp_size=1, role="prefill")
+            (after,) = take(events, 1, timeout_s=20)
+    assert sync.type == "SYNC"
+    assert (after.type, after.engine and after.engine.group_id) == ("ADDED", later)
