@@ -141,8 +141,10 @@ def test_a_vllm_router_fed_only_by_router_sync_follows_the_registry(
 
         # A decode instance whose rank stops renewing its lease: once the lease lapses the
         # router is told no more, and forgets it after its expiry.
+        # router-sync's watch comes back on its jittered back-off (capped at 10 s), which
+        # grew while the registry was away: up to a cap's pause, then a round.
         d2 = fleet.launch("decode-a", "decode", ttl_s=5)
-        wait_for(lambda: "offer decode decode-a (generation 2" in sync.log_text(), 10, "d2")
+        wait_for(lambda: "offer decode decode-a (generation 2" in sync.log_text(), 25, "d2")
         stopped = time.monotonic()
         gone = wait_for(lambda: complete(router).status_code != 200, 5 + EXPIRY_S + 10,
                         "the router stops using the decode whose lease lapsed")  # fmt: skip
