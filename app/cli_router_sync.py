@@ -160,9 +160,15 @@ def command(args: argparse.Namespace) -> int:
         return 2
     try:
         return run(
-            client, args.vllm_router, model=args.model, interval_s=args.interval, stop=stop,
-            alive_file=args.alive_file, grace_s=args.grace, smgs=smgs,
-        )  # fmt: skip
+            client,
+            args.vllm_router,
+            model=args.model,
+            interval_s=args.interval,
+            stop=stop,
+            alive_file=args.alive_file,
+            grace_s=args.grace,
+            smgs=smgs,
+        )
     finally:
         client.close()
 

@@ -75,9 +75,11 @@ class Watch:
         auth = self.headers.get("Authorization", "")
         token = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else None
         return RegistryClient(
-            self.url, token=token, timeout_s=self.timeout_s,
+            self.url,
+            token=token,
+            timeout_s=self.timeout_s,
             transport=httpx.HTTPTransport(verify=self.verify),
-        )  # fmt: skip
+        )
 
     def follow(self) -> None:
         """On a thread: the client's watch (`RegistryClient.watch`: a list, then each change

@@ -89,14 +89,21 @@ def _said(router: VllmRouter, total: int, deadline_s: float) -> None:
                 "router-sync: vllm-router %s took %d of %d instances within the round's "
                 "%.1f s (%s); each next round starts with those not reached, until it "
                 "takes a whole round",
-                router.address, router.sent, total, deadline_s, why,
-            )  # fmt: skip
+                router.address,
+                router.sent,
+                total,
+                deadline_s,
+                why,
+            )
         router.cut = True
     elif router.cut:
         router.cut = False
         router.start = 0
-        log.warning("router-sync: vllm-router %s takes whole rounds again (%d instances)",
-                    router.address, total)  # fmt: skip
+        log.warning(
+            "router-sync: vllm-router %s takes whole rounds again (%d instances)",
+            router.address,
+            total,
+        )
 
 
 __all__ = ["ROUTER_EXPIRY_S", "SEND_HWM", "VllmRouter", "announce"]

@@ -33,8 +33,11 @@ class Sight:
         if blind_s <= self.grace_s:
             if self.blinded:
                 back = time.monotonic() - self.since
-                log.warning("router-sync: the watch is back after %.0f s blind; offering the "
-                            "registry's instances again", back)  # fmt: skip
+                log.warning(
+                    "router-sync: the watch is back after %.0f s blind; offering the "
+                    "registry's instances again",
+                    back,
+                )
             self.blinded = False
             return True
         if not self.blinded:
@@ -44,9 +47,13 @@ class Sight:
                 "router-sync: blind for %.0f s, past the %g s grace (%s): no longer offering "
                 "the %d instances it last saw (the routers forget them within %g s)%s; "
                 "offering again once the watch is back",
-                blind_s, self.grace_s, cause or "nothing heard on the watch, not even a "
-                "bookmark", offered, ROUTER_EXPIRY_S, probe,
-            )  # fmt: skip
+                blind_s,
+                self.grace_s,
+                cause or "nothing heard on the watch, not even a bookmark",
+                offered,
+                ROUTER_EXPIRY_S,
+                probe,
+            )
         self.blinded = True
         return False
 

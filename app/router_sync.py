@@ -235,13 +235,17 @@ def follow(
             groups.failed("the watch ended")
         except RegistryUnavailable as exc:
             groups.failed(str(exc))
-            log.warning("router-sync: %s; retrying (routers keep the last list within the "
-                        "grace)", exc)  # fmt: skip
+            log.warning(
+                "router-sync: %s; retrying (routers keep the last list within the grace)", exc
+            )
         except Exception as exc:  # a refusal (token rotated) or a bad answer: said, retried
             groups.failed(repr(exc))
             retry_after = _retry_after(exc)
-            log.error("router-sync: the watch failed (%r); retrying (routers keep the last list "
-                      "within the grace)", exc)  # fmt: skip
+            log.error(
+                "router-sync: the watch failed (%r); retrying (routers keep the last list "
+                "within the grace)",
+                exc,
+            )
         stop.wait(backoff.next(retry_after))
 
 
@@ -322,9 +326,11 @@ def run(
     groups = Groups()
     lost_after_s = min(30.0, grace_s / 2)
     watcher = threading.Thread(
-        target=follow, args=(client, groups, stop, None, lost_after_s), name="router-sync-watch",
+        target=follow,
+        args=(client, groups, stop, None, lost_after_s),
+        name="router-sync-watch",
         daemon=True,
-    )  # fmt: skip
+    )
     watcher.start()
     announcer = Announcer(routers, model, deadline_s=interval_s)
     feeds = SmgFeeds(smgs, model)
@@ -332,8 +338,11 @@ def run(
     names = [f"vllm-router {a}" for a in router_addresses] + [f"smg {s.url}" for s in smgs]
     log.warning(
         "router-sync: following %s for %s (every %.1f s, grace %g s)",
-        client.url, ", ".join(names), interval_s, grace_s,
-    )  # fmt: skip
+        client.url,
+        ", ".join(names),
+        interval_s,
+        grace_s,
+    )
     try:
         while not stop.is_set():
             started = time.monotonic()
@@ -362,6 +371,13 @@ def run(
 
 
 __all__ = [
-    "DEFAULT_GRACE_S", "ROUTER_EXPIRY_S", "Announcer", "Groups", "Offered", "Sight",
-    "VllmRouter", "offer", "run",
-]  # fmt: skip
+    "DEFAULT_GRACE_S",
+    "ROUTER_EXPIRY_S",
+    "Announcer",
+    "Groups",
+    "Offered",
+    "Sight",
+    "VllmRouter",
+    "offer",
+    "run",
+]

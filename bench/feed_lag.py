@@ -121,9 +121,14 @@ def launch(ranks: int, quick: bool, limit: int | None = None) -> dict[str, Any]:
             t0 = time.time()
             try:
                 out = asyncio.run(
-                    fleet_run(registry.url, fleet, warmup_s=2.0, window_s=3.0 if quick else 10.0,
-                              handshakes_per_s=HANDSHAKES_PER_S)
-                )  # fmt: skip
+                    fleet_run(
+                        registry.url,
+                        fleet,
+                        warmup_s=2.0,
+                        window_s=3.0 if quick else 10.0,
+                        handshakes_per_s=HANDSHAKES_PER_S,
+                    )
+                )
                 rss = rss_mib(registry.pid)
             finally:
                 registry.stop()

@@ -253,11 +253,16 @@ def measure(ranks: int, surge_s: float, times: float, quick: bool) -> dict[str, 
                     return {}
 
                 out = asyncio.run(
-                    fleet_run(reg.url, fleet, warmup_s=warmup, window_s=window,
-                              handshakes_per_s=HANDSHAKES_PER_S,
-                              on_window=lambda _: marks.append(cpu_seconds(reg.pid)),
-                              after_window=after_window)
-                )  # fmt: skip
+                    fleet_run(
+                        reg.url,
+                        fleet,
+                        warmup_s=warmup,
+                        window_s=window,
+                        handshakes_per_s=HANDSHAKES_PER_S,
+                        on_window=lambda _: marks.append(cpu_seconds(reg.pid)),
+                        after_window=after_window,
+                    )
+                )
         finally:
             reg.stop()
     hold = out["steady"]

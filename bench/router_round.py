@@ -90,8 +90,11 @@ def measure(instances: int, rounds: int) -> dict[str, Any]:
 
 def _spread(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"min": round(ordered[0], 3), "median": round(ordered[len(ordered) // 2], 3),
-            "max": round(ordered[-1], 3)}  # fmt: skip
+    return {
+        "min": round(ordered[0], 3),
+        "median": round(ordered[len(ordered) // 2], 3),
+        "max": round(ordered[-1], 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

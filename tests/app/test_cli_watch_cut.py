@@ -32,14 +32,29 @@ def row(frame: str, gid: str) -> str:
 
 def test_a_revision_cut_after_its_first_group_loses_nothing(tmp_path: Path) -> None:
     env = {"REGISTRY_WATCH_BOOKMARK_S": "1"}
-    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", env=env,
-                         log_path=tmp_path / "registry.log") as registry:  # fmt: skip
+    with RegistryProcess(
+        f"sqlite:///{tmp_path / 'r.db'}", env=env, log_path=tmp_path / "registry.log"
+    ) as registry:
         c = httpx.Client(base_url=registry.url, timeout=10)
         proxy = CutProxy(registry.url)
-        cmd = [sys.executable, "-m", "app", "status", "--watch", "--interval", "0.3",
-               "--url", proxy.url]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                preexec_fn=_sigint_default)  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "status",
+            "--watch",
+            "--interval",
+            "0.3",
+            "--url",
+            proxy.url,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_sigint_default,
+        )
         out = Output(proc)
         try:
             out.wait_frame("0 groups")

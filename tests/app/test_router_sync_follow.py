@@ -55,8 +55,12 @@ def lost() -> RegistryUnavailable:
 
 def test_retries_are_jittered_and_capped_not_a_fixed_pause() -> None:
     stop = Stop(after=8)
-    follow(Refusing([lost() for _ in range(8)]), Groups(), stop,
-           Backoff(base_s=0.5, cap_s=10.0, rng=random.Random(1)))  # fmt: skip
+    follow(
+        Refusing([lost() for _ in range(8)]),
+        Groups(),
+        stop,
+        Backoff(base_s=0.5, cap_s=10.0, rng=random.Random(1)),
+    )
     expected = Backoff(base_s=0.5, cap_s=10.0, rng=random.Random(1))
     assert stop.pauses == [expected.next() for _ in range(8)]
     assert len(set(stop.pauses)) == 8

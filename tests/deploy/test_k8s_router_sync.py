@@ -90,8 +90,9 @@ def test_the_shipped_probes_pass_while_router_sync_sees_and_fail_once_it_is_blin
     alive = tmp_path / "router-sync.alive"
     grace_s = 3.0
     env = {"REGISTRY_WATCH_BOOKMARK_S": "1"}  # a quiet registry says it is there every 1 s
-    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", env=env,
-                         log_path=tmp_path / "registry.log") as registry:  # fmt: skip
+    with RegistryProcess(
+        f"sqlite:///{tmp_path / 'r.db'}", env=env, log_path=tmp_path / "registry.log"
+    ) as registry:
         sync = RouterSyncProcess(tmp_path, registry.url, [f"127.0.0.1:{free_port()}"])
         sync.cmd += ["--alive-file", str(alive), "--grace", str(grace_s)]
         try:

@@ -49,8 +49,9 @@ class CutProxy:
     def forward(self, handler: BaseHTTPRequestHandler) -> None:
         headers = {k: v for k, v in handler.headers.items() if k.lower() == "authorization"}
         timeout = httpx.Timeout(60.0, connect=5.0)
-        with httpx.stream("GET", self.upstream + handler.path, headers=headers,
-                          timeout=timeout) as answer:  # fmt: skip
+        with httpx.stream(
+            "GET", self.upstream + handler.path, headers=headers, timeout=timeout
+        ) as answer:
             handler.send_response(answer.status_code)
             handler.send_header("Content-Type", answer.headers.get("content-type", "text/plain"))
             if "watch=true" not in handler.path or answer.status_code != 200:
@@ -75,9 +76,10 @@ class CutProxy:
             if held is not None:
                 first = held[1]
                 several = (
-                    first["type"] in CHANGES and line["type"] in CHANGES
+                    first["type"] in CHANGES
+                    and line["type"] in CHANGES
                     and first["revision"] == line["revision"]
-                )  # fmt: skip
+                )
                 with self.lock:
                     cut_now = several and not self.cut
                     if cut_now:

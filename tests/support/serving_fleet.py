@@ -29,10 +29,20 @@ async def _one(http: httpx.AsyncClient, i: int, ttl_s: int) -> None:
     opened = await http.put(f"/tp-groups/{gid}/engine", json=body)
     opened.raise_for_status()
     engine_id = opened.json()["engine_id"]
-    agent = {"engine_id": engine_id, "agent_name": f"{gid}-0", "host": "127.0.0.1",
-             "agent_metadata": base64.b64encode(b"md").decode(), "ttl_s": ttl_s,
-             "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096],
-                    "num_blocks": 8, "block_len": 64}}  # fmt: skip
+    agent = {
+        "engine_id": engine_id,
+        "agent_name": f"{gid}-0",
+        "host": "127.0.0.1",
+        "agent_metadata": base64.b64encode(b"md").decode(),
+        "ttl_s": ttl_s,
+        "kv": {
+            "mem_type": "DRAM",
+            "device_id": 0,
+            "base_addrs": [4096],
+            "num_blocks": 8,
+            "block_len": 64,
+        },
+    }
     (await http.put(f"/tp-groups/{gid}/engine/agents/0", json=agent)).raise_for_status()
     serving = {"engine_id": engine_id, "url": f"http://{address(i)}", "model": "tiny"}
     (await http.put(f"/tp-groups/{gid}/engine/serving", json=serving)).raise_for_status()

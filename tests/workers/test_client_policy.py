@@ -160,8 +160,9 @@ def test_pauses_are_full_jitter_and_a_retry_after_is_their_floor() -> None:
     for seed in range(200):
         script = iter([problem(503, "store_unavailable"), httpx.Response(200, json=ENGINE)])
         transport = httpx.MockTransport(lambda r, script=script: next(script))
-        c = RegistryClient("http://a", transport=transport, rng=random.Random(seed),
-                           sleep=firsts.append)  # fmt: skip
+        c = RegistryClient(
+            "http://a", transport=transport, rng=random.Random(seed), sleep=firsts.append
+        )
         c.get_engine("g")
     assert min(firsts) < 0.02, min(firsts)
     assert max(firsts) > 0.08, max(firsts)

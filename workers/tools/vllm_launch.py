@@ -115,17 +115,28 @@ class Instance:
             cmd += ["-tp", str(self.tp)]
         if self.dp > 1:
             cmd += [
-                "--data-parallel-size", str(self.dp), "--data-parallel-size-local", "1",
-                "--data-parallel-address", "127.0.0.1",
-                "--data-parallel-rpc-port", str(self.dp_rpc_port),
-            ]  # fmt: skip
+                "--data-parallel-size",
+                str(self.dp),
+                "--data-parallel-size-local",
+                "1",
+                "--data-parallel-address",
+                "127.0.0.1",
+                "--data-parallel-rpc-port",
+                str(self.dp_rpc_port),
+            ]
             if node > 0:
                 cmd += ["--data-parallel-start-rank", str(node)]
         if self.nodes > 1:
             cmd += [
-                "--nnodes", str(self.nodes), "--node-rank", str(node),
-                "--master-addr", "127.0.0.1", "--master-port", str(self.master_port),
-            ]  # fmt: skip
+                "--nnodes",
+                str(self.nodes),
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(self.master_port),
+            ]
             if node > 0:
                 cmd.append("--headless")
         return cmd

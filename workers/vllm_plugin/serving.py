@@ -179,8 +179,13 @@ def publish_when_serving(settings: PluginSettings, argv: Sequence[str]) -> None:
                                 "(%s): not published", group, engine.launch_id)  # fmt: skip
                     continue
                 bootstrap = f"{host}:{port + (dp_rank or 0)}"  # vLLM: base + DP rank
-                body = {"engine_id": engine.engine_id, "url": url, "model": model,
-                        "dp_rank": dp_rank, "bootstrap": bootstrap}  # fmt: skip
+                body = {
+                    "engine_id": engine.engine_id,
+                    "url": url,
+                    "model": model,
+                    "dp_rank": dp_rank,
+                    "bootstrap": bootstrap,
+                }
                 client.request("PUT", f"/tp-groups/{group}/engine/serving", json=body)
                 published.append((group, engine.engine_id))
                 log.info("engine-registry: published that group %s (engine %s) serves %s at "

@@ -57,8 +57,11 @@ def test_blind_past_its_grace_router_sync_offers_nothing_and_says_why_once(
             time.sleep(EXPIRY_S + 1)
             assert complete(router).status_code == 200
             # ... past it router-sync offers nothing and the router forgets them.
-            wait_for(lambda: complete(router).status_code != 200, GRACE_S + EXPIRY_S + 5,
-                     "the router forgets what a blind router-sync last saw")  # fmt: skip
+            wait_for(
+                lambda: complete(router).status_code != 200,
+                GRACE_S + EXPIRY_S + 5,
+                "the router forgets what a blind router-sync last saw",
+            )
             print(f"router empty {time.monotonic() - stopped:.1f} s after the registry went")
             log = sync.log_text()
             assert log.count(BLIND) == 1, log[-3000:]

@@ -67,9 +67,12 @@ class Dp:
         """A PD request handed to DP rank `rank`; decode's NIXL reads it made, counted."""
         before = nixl_transfers(self.decode.url)
         answer, params = pd_complete(
-            self.prefill.url, self.decode.url, self.body(), dp_rank=rank,
+            self.prefill.url,
+            self.decode.url,
+            self.body(),
+            dp_rank=rank,
             decode_logs=self.decode.log_text,
-        )  # fmt: skip
+        )
         self.reads[rank] += nixl_transfers(self.decode.url) - before
         return answer, params
 
@@ -77,8 +80,9 @@ class Dp:
         """Requests DP rank `rank`'s engine finished (vLLM's per-engine series)."""
         text = httpx.get(f"{self.prefill.url}/metrics", timeout=60.0).text
         want = f'vllm:request_success_total{{engine="{rank}"'
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(want))  # fmt: skip
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(want)
+        )
 
     def summary(self) -> None:
         with httpx.Client(base_url=self.registry.url, headers=self.registry.headers()) as http:
@@ -95,14 +99,26 @@ class Dp:
 def dp(vllm_workdir: Path, tiny_model: Path, registry: Registry) -> Iterator[Dp]:
     worker = registry.tokens.worker
     prefill = Instance(
-        "prefill-dp", tiny_model, vllm_workdir, nodes=2, dp=2, registry_url=registry.url,
-        registry_token=worker, group=GROUP, role="prefill",
+        "prefill-dp",
+        tiny_model,
+        vllm_workdir,
+        nodes=2,
+        dp=2,
+        registry_url=registry.url,
+        registry_token=worker,
+        group=GROUP,
+        role="prefill",
         extra_env={"ENGINE_REGISTRY_TTL_S": "10"},
-    )  # fmt: skip
+    )
     decode = Instance(
-        "decode-dp", tiny_model, vllm_workdir, registry_url=registry.url,
-        registry_token=worker, group="decode-0", role="decode",
-    )  # fmt: skip
+        "decode-dp",
+        tiny_model,
+        vllm_workdir,
+        registry_url=registry.url,
+        registry_token=worker,
+        group="decode-0",
+        role="decode",
+    )
     state = Dp(registry, tiny_model, prefill, decode, workdir=vllm_workdir)
     try:
         FIGURES["prefill DP 2 over two nodes: healthy after"] = prefill.start().wait_healthy(
@@ -141,8 +157,12 @@ def test_each_dp_rank_is_a_registry_group_with_its_own_engine(dp: Dp) -> None:
 
 def test_decode_finds_each_dp_rank_through_the_registry(dp: Dp) -> None:
     for rank in RANKS:
-        own = httpx.post(f"{dp.prefill.url}/v1/completions", json=dp.body(),
-                         headers={DP_RANK_HEADER: str(rank)}, timeout=120.0)  # fmt: skip
+        own = httpx.post(
+            f"{dp.prefill.url}/v1/completions",
+            json=dp.body(),
+            headers={DP_RANK_HEADER: str(rank)},
+            timeout=120.0,
+        )
         assert own.status_code == 200, own.text[:500]
         dp.own[rank] = own.json()["choices"][0]["text"]
     with client(dp.registry) as reader, client(dp.registry, "worker") as worker:
@@ -192,8 +212,9 @@ def test_routers_see_each_dp_rank(dp: Dp) -> None:
 def test_a_dp_rank_killed_alone_is_released_alone_and_rank_0_keeps_serving(dp: Dp) -> None:
     gone = f"{dp.engines[1].engine_id}_dp1"
     kept = f"{dp.engines[0].engine_id}_dp0"
-    released_before = metric(dp.decode.url, "engine_registry_remote_engines_released_total",
-                             'cause="not_ready"')  # fmt: skip
+    released_before = metric(
+        dp.decode.url, "engine_registry_remote_engines_released_total", 'cause="not_ready"'
+    )
     since = len(dp.decode.log_text())
     t0 = time.monotonic()
     dp.prefill.kill_node(1)
@@ -212,13 +233,17 @@ def test_a_dp_rank_killed_alone_is_released_alone_and_rank_0_keeps_serving(dp: D
     assert answer.status_code == 200, (answer.text[:1000], dp.decode.tails())
     during += 1
     logged(dp.decode, f"freed the NIXL state of remote engine {gone}", 30, since)
-    releases = [line for line in dp.decode.log_text()[since:].splitlines()
-                if "releasing remote engine" in line]  # fmt: skip
+    releases = [
+        line
+        for line in dp.decode.log_text()[since:].splitlines()
+        if "releasing remote engine" in line
+    ]
     assert len(releases) == 1, releases
     assert gone in releases[0], releases
     assert kept not in "".join(releases)
-    released = metric(dp.decode.url, "engine_registry_remote_engines_released_total",
-                      'cause="not_ready"')  # fmt: skip
+    released = metric(
+        dp.decode.url, "engine_registry_remote_engines_released_total", 'cause="not_ready"'
+    )
     assert released == released_before + 1
     assert metric(dp.decode.url, "engine_registry_remote_engines") == 1
     with client(dp.registry) as reader:
