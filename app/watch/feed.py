@@ -65,6 +65,13 @@ def view(
     return None if state is None else state.view()
 
 
+def selected(decoded: Decoded, entry: Entry) -> tuple[str, str | None]:
+    """What a filter (`Selector`) reads of an engine's entry: its role and ``compat["model"]``."""
+    record = decoded.record(entry, EngineRecord)
+    model = record.compat.get("model")
+    return record.role, model if isinstance(model, str) else None
+
+
 def encode(kind: str, revision: int, engine: Engine | None) -> bytes:
     body = b"null" if engine is None else engine.__pydantic_serializer__.to_json(engine)
     return b'{"type":"%s","revision":%d,"object":%s}\n' % (kind.encode(), revision, body)
@@ -203,8 +210,8 @@ class Feed:
             kind, shown = "DELETED", before
         else:
             return  # keys of no engine, before and after
-        role, model = self._selected(shown[key])
-        prior = self._selected(before[key]) if kind == "MODIFIED" and before is not None else None
+        role, model = selected(self.decoded, shown[key])
+        prior = selected(self.decoded, before[key]) if kind == "MODIFIED" and before else None
         weight = EVENT_BASE_BYTES + ENTRY_BYTES * (len(shown) + len(before or ()))
         args = (kind, revision, gid, shown, self.decoded, now)
         self.log.append(
@@ -221,12 +228,6 @@ class Feed:
                 weight=weight,
             )
         )
-
-    def _selected(self, entry: Entry) -> tuple[str, str | None]:
-        """What a watch's filter reads of an engine: its role and ``compat["model"]``."""
-        record = self.decoded.record(entry, EngineRecord)
-        model = record.compat.get("model")
-        return record.role, model if isinstance(model, str) else None
 
     # -- waiting -----------------------------------------------------------------------------
 

@@ -107,7 +107,7 @@ class GroupEvent:
 
     def line_for(self, selector: Selector) -> bytes | None:
         """The line a watcher filtered by ``selector`` gets for this change (None: none)."""
-        now = self.selector_passes(selector)
+        now = selector.passes(self.role, self.model)
         if self.kind != "MODIFIED" or self.prior is None or selector.empty:
             return self.line if now else None
         was = selector.passes(*self.prior)
@@ -118,9 +118,6 @@ class GroupEvent:
         if was:  # left it: the group as the watcher last saw it
             return self.deleted_line()
         return None
-
-    def selector_passes(self, selector: Selector) -> bool:
-        return selector.passes(self.role, self.model)
 
     def deleted_line(self) -> bytes:
         """A MODIFIED change as a DELETED line carrying the group before it."""

@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterable, Mapping
 
 from app.errors import FieldProblem, InvalidRequest, RevisionAhead, RevisionCompacted
-from app.registry.records import Decoded, EngineRecord, _engine_key
+from app.registry.records import Decoded, _engine_key
 from app.schemas import Engine
 from app.store import Entry, Store
-from app.watch.feed import Feed, view
+from app.watch.feed import Feed, selected, view
 from app.watch.history import Group, Selector
 
 
@@ -146,9 +146,7 @@ def token_selector(selector: Selector) -> str | None:
 def passes(decoded: Decoded, entry: Entry, selector: Selector) -> bool:
     if selector.empty:
         return True
-    record = decoded.record(entry, EngineRecord)
-    model = record.compat.get("model")
-    return selector.passes(record.role, model if isinstance(model, str) else None)
+    return selector.passes(*selected(decoded, entry))
 
 
 async def read_page(
