@@ -129,9 +129,14 @@ def _status(args: argparse.Namespace) -> int:
         timeout = min(args.timeout, max(1.0, args.interval))
         color = sys.stdout.isatty()
         return Watch(
-            args.url, headers, args.interval, timeout, format_groups, color=color,
+            args.url,
+            headers,
+            args.interval,
+            timeout,
+            format_groups,
+            color=color,
             verify=tls.context,
-        ).run()  # fmt: skip
+        ).run()
     with httpx.Client(headers=headers, timeout=args.timeout, verify=tls.context) as http:
         try:
             answer = http.get(f"{url}/tp-groups")

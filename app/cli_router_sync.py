@@ -70,8 +70,10 @@ def add_command(sub: Any, add_tls_flags: Any) -> None:
         help="seconds smg keeps a withdrawn worker draining (no new requests, in-flight ones "
         "finish) before it leaves its list (default 0: at once)",
     )
-    cmd.add_argument("--model", help="offer instances of this served model only "
-                     "(default: the oldest decode instance's)")  # fmt: skip
+    cmd.add_argument(
+        "--model",
+        help="offer instances of this served model only (default: the oldest decode instance's)",
+    )
     cmd.add_argument(
         "--interval", type=float, default=1.0, help="seconds between announcements (< 5)"
     )

@@ -101,10 +101,13 @@ class InvalidRequest(RegistryError):
         in its path, else under ``body`` (errors the HTTP layer gave itself stay as given)."""
         if self.fields and "errors" not in self.extras:
             self.extras["errors"] = [
-                {"loc": ["path" if f.field[0] in path_params else "body", *f.field],
-                 "msg": f.msg, "type": f.type}
+                {
+                    "loc": ["path" if f.field[0] in path_params else "body", *f.field],
+                    "msg": f.msg,
+                    "type": f.type,
+                }
                 for f in self.fields
-            ]  # fmt: skip
+            ]
 
 
 class Unauthorized(RegistryError):

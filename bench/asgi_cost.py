@@ -107,10 +107,15 @@ async def registry_calls(app: Any) -> dict[str, Call]:
             "agent_name": f"a{rank}",
             "agent_metadata": base64.b64encode(bytes([rank]) * BLOB).decode(),
             "host": "127.0.0.1",
-            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
-                   "block_len": 1},
+            "kv": {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [1],
+                "num_blocks": 1,
+                "block_len": 1,
+            },
             "ttl_s": 3600,
-        }  # fmt: skip
+        }
         assert await caller(app, "PUT", f"/tp-groups/p0/engine/agents/{rank}", agent)() < 300
         agents.append(agent)
     return {
@@ -134,10 +139,20 @@ async def _engine_id(app: Any) -> str:
         if message["type"] == "http.response.body":
             body.append(message.get("body", b""))
 
-    scope = {"type": "http", "method": "GET", "path": "/tp-groups/p0/engine", "raw_path": b"",
-             "query_string": b"", "headers": [], "root_path": "", "scheme": "http",
-             "http_version": "1.1", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
-             "asgi": {"version": "3.0"}}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/tp-groups/p0/engine",
+        "raw_path": b"",
+        "query_string": b"",
+        "headers": [],
+        "root_path": "",
+        "scheme": "http",
+        "http_version": "1.1",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "asgi": {"version": "3.0"},
+    }
     await app(scope, receive, send)
     return str(json.loads(b"".join(body))["engine_id"])
 

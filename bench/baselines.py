@@ -179,11 +179,19 @@ def _register_body() -> str:
     blob = base64.b64encode(blobs[50]).decode()
     return json.dumps(
         {
-            "engine_id": "e", "agent_name": "a", "agent_metadata": blob, "host": HOST,
-            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
-                   "block_len": 1},
+            "engine_id": "e",
+            "agent_name": "a",
+            "agent_metadata": blob,
+            "host": HOST,
+            "kv": {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [1],
+                "num_blocks": 1,
+                "block_len": 1,
+            },
         }
-    )  # fmt: skip
+    )
 
 
 def ceilings(quick: bool) -> dict[str, Any]:

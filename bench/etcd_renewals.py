@@ -94,9 +94,12 @@ class _Gateway:
 
 
 async def _measure(
-    cluster: EtcdCluster, renew: Callable[[int], Awaitable[None]], leases: list[int],
-    in_flight: int, n: int,
-) -> dict[str, float]:  # fmt: skip
+    cluster: EtcdCluster,
+    renew: Callable[[int], Awaitable[None]],
+    leases: list[int],
+    in_flight: int,
+    n: int,
+) -> dict[str, float]:
     slots = asyncio.Semaphore(in_flight)
 
     async def one(i: int) -> None:

@@ -82,8 +82,11 @@ def _reads(url: str) -> dict[str, Any]:
     """``bench.fleet_reads`` in a process of its own (its module doc says why)."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.fleet_reads", url],
-        capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     reads: dict[str, Any] = json.loads(done.stdout)
     return reads
 
@@ -143,10 +146,16 @@ def one_row(
             marks.append(cpu_seconds(pid))
 
         out = asyncio.run(
-            fleet_run(registry.url, fleet, warmup_s=warmup, window_s=window,
-                      handshakes_per_s=HANDSHAKES_PER_S, on_window=on_window,
-                      after_window=after_window)
-        )  # fmt: skip
+            fleet_run(
+                registry.url,
+                fleet,
+                warmup_s=warmup,
+                window_s=window,
+                handshakes_per_s=HANDSHAKES_PER_S,
+                on_window=on_window,
+                after_window=after_window,
+            )
+        )
     finally:
         registry.stop()
     up, hold = out["launch"], out["steady"]
@@ -182,10 +191,16 @@ def ceiling(ranks: int, quick: bool, kind: str = "raw") -> dict[str, Any]:
     with process([sys.executable, "-m", "bench.minimal", kind, str(port)]) as proc:
         wait_http(url + "/", 30, proc)
         out = asyncio.run(
-            fleet_run(url, fleet, warmup_s=warmup, window_s=window,
-                      handshakes_per_s=HANDSHAKES_PER_S, launch=False,
-                      on_window=lambda _: marks.append(cpu_seconds(proc.pid)))
-        )  # fmt: skip
+            fleet_run(
+                url,
+                fleet,
+                warmup_s=warmup,
+                window_s=window,
+                handshakes_per_s=HANDSHAKES_PER_S,
+                launch=False,
+                on_window=lambda _: marks.append(cpu_seconds(proc.pid)),
+            )
+        )
     steady = dict(out["steady"])
     requests = (steady["heartbeats_per_s"] + steady["handshakes_per_s"]) * window
     steady["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
@@ -232,26 +247,42 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                 try:
                     if kind == "sqlite":
                         db = tmp / f"fleet-{n}.db"
-                        row = one_row(f"sqlite:///{db}", n, db=db, cluster=None, quick=quick,
-                                      log=log)  # fmt: skip
+                        row = one_row(
+                            f"sqlite:///{db}", n, db=db, cluster=None, quick=quick, log=log
+                        )
                     else:
                         with _etcd(tmp / f"etcd-{n}") as cluster:
-                            row = one_row(cluster.url(f"fleet{n}"), n, db=None, cluster=cluster,
-                                          quick=quick, log=log)  # fmt: skip
+                            row = one_row(
+                                cluster.url(f"fleet{n}"),
+                                n,
+                                db=None,
+                                cluster=cluster,
+                                quick=quick,
+                                log=log,
+                            )
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
                     row = {"ranks": n, "failed": f"{type(exc).__name__}: {exc}"[:500], "log": tail}
-                row |= {"busy_before": busy, "load_before": load,
-                        "load_after": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
+                row |= {
+                    "busy_before": busy,
+                    "load_before": load,
+                    "load_after": Path("/proc/loadavg").read_text().split()[:3],
+                }
                 say(f"fleet: {kind}, {n} ranks: {json.dumps(row)}")
                 rows[kind].append(row)
         say("fleet: the client's ceiling (bench.minimal raw)")
         top = ceiling(max(sizes), quick)
         say("fleet: the wire path's floor (bench.minimal protocol)")
         top["protocol"] = ceiling(max(sizes), quick, "protocol")
-    return {"rows": rows, "skipped": skipped, "ceiling": {"ranks": max(sizes), **top},
-            "regions": REGIONS, "blob_bytes": BLOB_BYTES, "handshakes_per_s": HANDSHAKES_PER_S,
-            "load_average": Path("/proc/loadavg").read_text().split()[:3]}  # fmt: skip
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "ceiling": {"ranks": max(sizes), **top},
+        "regions": REGIONS,
+        "blob_bytes": BLOB_BYTES,
+        "handshakes_per_s": HANDSHAKES_PER_S,
+        "load_average": Path("/proc/loadavg").read_text().split()[:3],
+    }
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -106,15 +106,21 @@ class Run:
 
 
 async def _beat(
-    pool: RawPool, run: Run, gid: str, eid: str, phase: float, stop: asyncio.Event,
+    pool: RawPool,
+    run: Run,
+    gid: str,
+    eid: str,
+    phase: float,
+    stop: asyncio.Event,
     again: Callable[[], dict[str, Any]] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Renew every ``HEARTBEAT_S``; after a 404 (the lease lapsed) register again with
     ``again()``'s body, as ``BatchPublication`` does."""
     beat = RawPool.prepare(
-        "POST", f"/tp-groups/{gid}/engine/agents/heartbeat",
+        "POST",
+        f"/tp-groups/{gid}/engine/agents/heartbeat",
         {"engine_id": eid, "ranks": list(range(TP))},
-    )  # fmt: skip
+    )
     due = time.perf_counter() + phase
     while not stop.is_set():
         # A plain sleep (the run cancels the task at its end): a wait_for on the stop event
@@ -150,9 +156,15 @@ async def _put(pool: RawPool, path: str, body: dict[str, Any], run: Run) -> tupl
 
 
 async def _group(
-    pool: RawPool, fleet: Fleet, run: Run, index: int, gid: str,
-    gate: asyncio.Semaphore, stop: asyncio.Event, beats: list[asyncio.Task[None]],
-) -> None:  # fmt: skip
+    pool: RawPool,
+    fleet: Fleet,
+    run: Run,
+    index: int,
+    gid: str,
+    gate: asyncio.Semaphore,
+    stop: asyncio.Event,
+    beats: list[asyncio.Task[None]],
+) -> None:
     role = "prefill" if gid.startswith("prefill") else "decode"
     body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
     async with gate:
@@ -192,10 +204,16 @@ async def _planner(pool: RawPool, run: Run, prefill: list[str], rate: float, see
 
 
 async def fleet_run(
-    url: str, fleet: Fleet, *, warmup_s: float, window_s: float, handshakes_per_s: float,
+    url: str,
+    fleet: Fleet,
+    *,
+    warmup_s: float,
+    window_s: float,
+    handshakes_per_s: float,
     on_window: Callable[[bool], None] | None = None,
-    after_window: Callable[[], dict[str, Any]] | None = None, launch: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    after_window: Callable[[], dict[str, Any]] | None = None,
+    launch: bool = True,
+) -> dict[str, Any]:
     """Launch (unless ``launch`` is False: ``fleet.engines`` is given), heartbeats, the
     window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends."""
     run, stop = Run(), asyncio.Event()
@@ -209,9 +227,11 @@ async def fleet_run(
     try:
         if launch:
             await asyncio.gather(
-                *(_group(pool, fleet, run, i, g, gate, stop, beats)
-                  for i, g in enumerate(fleet.groups))
-            )  # fmt: skip
+                *(
+                    _group(pool, fleet, run, i, g, gate, stop, beats)
+                    for i, g in enumerate(fleet.groups)
+                )
+            )
             ready = time.perf_counter() - t0
             out["launch"] = {
                 "ready_s": round(ready, 2),

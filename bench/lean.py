@@ -73,10 +73,28 @@ def _measured(url: Server, storm: Callable[[str, int], dict[str, Any]], n: int) 
 def _granian(tmp: Path, name: str) -> Iterator[Server]:
     port = free_port()
     env = {"REGISTRY_STORE": f"sqlite:///{tmp / name}.db"}
-    cmd = [sys.executable, "-m", "granian", "--interface", "asgi", "--factory",
-           "--loop", "uvloop", "--workers", "1", "--runtime-threads", "1",
-           "--host", HOST, "--port", str(port), "--log-level", "warning", "--no-access-log",
-           "bench.granian_app:app"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "granian",
+        "--interface",
+        "asgi",
+        "--factory",
+        "--loop",
+        "uvloop",
+        "--workers",
+        "1",
+        "--runtime-threads",
+        "1",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "bench.granian_app:app",
+    ]
     with process(cmd, env=env, log=tmp / f"{name}.log") as proc:
         url = Server(f"http://{HOST}:{port}")
         url.pid = proc.pid

@@ -87,8 +87,13 @@ def routes_app() -> Any:
     blob = base64.b64encode(bytes(4096)).decode()
 
     def engine(group_id: str) -> dict[str, Any]:
-        return {"group_id": group_id, "engine_id": str(uuid.uuid5(uuid.NAMESPACE_URL, group_id)),
-                "generation": 1, "tp_size": 8, "ready": False}  # fmt: skip
+        return {
+            "group_id": group_id,
+            "engine_id": str(uuid.uuid5(uuid.NAMESPACE_URL, group_id)),
+            "generation": 1,
+            "tp_size": 8,
+            "ready": False,
+        }
 
     @app.put("/tp-groups/{group_id}/engine", status_code=201)
     async def open_engine(group_id: str, body: OpenEngineRequest) -> dict[str, Any]:
@@ -100,8 +105,13 @@ def routes_app() -> Any:
 
     @app.put("/tp-groups/{group_id}/engine/agents/{rank}", status_code=201)
     async def register(group_id: str, rank: int, body: RegisterAgentRequest) -> dict[str, Any]:
-        return {"engine_id": body.engine_id, "rank": rank, "agent_name": body.agent_name,
-                "host": body.host, "ttl_s": body.ttl_s}  # fmt: skip
+        return {
+            "engine_id": body.engine_id,
+            "rank": rank,
+            "agent_name": body.agent_name,
+            "host": body.host,
+            "ttl_s": body.ttl_s,
+        }
 
     @app.post("/tp-groups/{group_id}/engine/agents/{rank}/heartbeat")
     async def heartbeat(group_id: str, rank: int, body: EngineIdBody) -> dict[str, Any]:
@@ -109,8 +119,14 @@ def routes_app() -> Any:
 
     @app.post("/engines/{engine_id}/handshake")
     async def handshake(engine_id: str, body: HandshakeRequest) -> dict[str, Any]:
-        target = {"rank": body.rank, "agent_name": "a", "agent_metadata": blob, "host": "h",
-                  "kv": {}, "expires_at": ""}  # fmt: skip
+        target = {
+            "rank": body.rank,
+            "agent_name": "a",
+            "agent_metadata": blob,
+            "host": "h",
+            "kv": {},
+            "expires_at": "",
+        }
         return {"engine_id": engine_id, "targets": [target]}
 
     return app

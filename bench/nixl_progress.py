@@ -64,8 +64,9 @@ def one_round(delay_us: int) -> dict[str, Any]:
         t0 = _cpu_s(remote["pid"])
         time.sleep(3.0)
         idle_cpu = (_cpu_s(remote["pid"]) - t0) / 3.0
-        agent = nixl_agent(f"progress-{delay_us}-{time.monotonic_ns()}",
-                           nixl_agent_config(backends=["UCX"]))  # fmt: skip
+        agent = nixl_agent(
+            f"progress-{delay_us}-{time.monotonic_ns()}", nixl_agent_config(backends=["UCX"])
+        )
         local = torch.zeros(SIZE, dtype=torch.uint8)
         agent.register_memory(local)
         name = agent.add_remote_agent(base64.b64decode(remote["metadata"]))
@@ -73,8 +74,12 @@ def one_round(delay_us: int) -> dict[str, Any]:
         first = _read(agent, remote, local, name)
         warm = [_read(agent, remote, local, name) for _ in range(WARM)]
         agent.remove_remote_agent(name)
-    return {"first_s": first, "warm_median_s": statistics.median(warm),
-            "warm_max_s": max(warm), "target_idle_cores": idle_cpu}  # fmt: skip
+    return {
+        "first_s": first,
+        "warm_median_s": statistics.median(warm),
+        "warm_max_s": max(warm),
+        "target_idle_cores": idle_cpu,
+    }
 
 
 @contextlib.contextmanager
@@ -98,17 +103,24 @@ def main() -> int:
         for delay in (0, 1000):
             row = one_round(delay)
             rows[str(delay)].append(row)
-            say(f"  round {n + 1}, delay {delay} us: first READ {row['first_s']:.4f} s, warm "
+            say(
+                f"  round {n + 1}, delay {delay} us: first READ {row['first_s']:.4f} s, warm "
                 f"median {row['warm_median_s'] * 1e3:.2f} ms, max {row['warm_max_s'] * 1e3:.1f}"
-                f" ms, idle target {row['target_idle_cores']:.2f} cores")  # fmt: skip
+                f" ms, idle target {row['target_idle_cores']:.2f} cores"
+            )
     summary = {
-        key: statistics.median(r[key] for r in rows["0"]) / statistics.median(
-            r[key] for r in rows["1000"])
+        key: statistics.median(r[key] for r in rows["0"])
+        / statistics.median(r[key] for r in rows["1000"])
         for key in ("first_s", "warm_median_s", "target_idle_cores")
-    }  # fmt: skip
+    }
     say(f"  busy polling / event-driven (medians of 3): {summary}")
-    out = {"machine": machine(), "spinning_processes": cores + 1, "bytes": SIZE, "rows": rows,
-           "ratio_busy_to_event": summary}  # fmt: skip
+    out = {
+        "machine": machine(),
+        "spinning_processes": cores + 1,
+        "bytes": SIZE,
+        "rows": rows,
+        "ratio_busy_to_event": summary,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "nixl_progress.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0

@@ -173,21 +173,33 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     row = s.get("registry_sqlite", {}).get("1024")
     if row and "failed" not in row:
         out.append(
-            ("heavy storm: 1,024 ranks ready on SQLite ≤ 2 s", f"{row['ready_s']:.2f} s",
-             f"{2 / row['ready_s']:.2f}x of target", row["ready_s"] <= 2.0)
-        )  # fmt: skip
+            (
+                "heavy storm: 1,024 ranks ready on SQLite ≤ 2 s",
+                f"{row['ready_s']:.2f} s",
+                f"{2 / row['ready_s']:.2f}x of target",
+                row["ready_s"] <= 2.0,
+            )
+        )
         p99 = row["target_ops_p99_ms"]
         out.append(
-            ("heavy storm: per-op p99 ≤ 50 ms at 1,024 ranks (SQLite)", f"{p99:.1f} ms (worst op)",
-             f"{50 / p99:.2f}x of target", p99 <= 50.0)
-        )  # fmt: skip
+            (
+                "heavy storm: per-op p99 ≤ 50 ms at 1,024 ranks (SQLite)",
+                f"{p99:.1f} ms (worst op)",
+                f"{50 / p99:.2f}x of target",
+                p99 <= 50.0,
+            )
+        )
     paced = s.get("registry_sqlite_paced", {}).get("1024")
     if paced and "failed" not in paced:
         p99 = paced["target_ops_p99_ms"]
         out.append(
-            (f"(same, 1,024 ranks launching over {s.get('paced_s', 8):g} s instead of at once)",
-             f"{p99:.1f} ms (worst op)", f"{50 / p99:.2f}x of target", p99 <= 50.0)
-        )  # fmt: skip
+            (
+                f"(same, 1,024 ranks launching over {s.get('paced_s', 8):g} s instead of at once)",
+                f"{p99:.1f} ms (worst op)",
+                f"{50 / p99:.2f}x of target",
+                p99 <= 50.0,
+            )
+        )
     for n, ours in s.get("registry_sqlite", {}).items():
         base = s.get("etcd_direct", {}).get(n)
         if base and "failed" not in base and "failed" not in ours:
@@ -201,18 +213,25 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
         if r["decode_tp"] == 8:
             p50 = r["registry"]["p50_ms"]
             out.append(
-                ("handshake plan p50 ≤ 5 ms (decode TP 8 vs prefill TP 8)", f"{p50:.2f} ms",
-                 f"{5 / p50:.2f}x of target", p50 <= 5.0)
-            )  # fmt: skip
+                (
+                    "handshake plan p50 ≤ 5 ms (decode TP 8 vs prefill TP 8)",
+                    f"{p50:.2f} ms",
+                    f"{5 / p50:.2f}x of target",
+                    p50 <= 5.0,
+                )
+            )
     t = results.get("transfer", {})
     big = [r for r in t.get("rows", []) if r["block_bytes"] >= 2**20]
     if big:
         worst = min(big, key=lambda r: r["ratio"])
         out.append(
-            ("NIXL READ ≥ 0.8 x memcpy for blocks ≥ 1 MiB",
-             f"worst {worst['ratio']:.2f} ({worst['block_bytes'] // 2**20} MiB blocks)",
-             f"{worst['ratio'] / 0.8:.2f}x of target", worst["ratio"] >= 0.8)
-        )  # fmt: skip
+            (
+                "NIXL READ ≥ 0.8 x memcpy for blocks ≥ 1 MiB",
+                f"worst {worst['ratio']:.2f} ({worst['block_bytes'] // 2**20} MiB blocks)",
+                f"{worst['ratio'] / 0.8:.2f}x of target",
+                worst["ratio"] >= 0.8,
+            )
+        )
     return out
 
 
@@ -228,18 +247,24 @@ def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, 
     if small and "failed" not in small and small.get("server_cpu_s"):
         ms = small["server_cpu_s"] / small["requests"] * 1000
         out.append(
-            ("heavy storm: server CPU per request ≤ 0.35 ms (1,024 ranks, SQLite)", f"{ms:.2f} ms",
-             f"{0.35 / ms:.2f}x of target", ms <= 0.35)
-        )  # fmt: skip
+            (
+                "heavy storm: server CPU per request ≤ 0.35 ms (1,024 ranks, SQLite)",
+                f"{ms:.2f} ms",
+                f"{0.35 / ms:.2f}x of target",
+                ms <= 0.35,
+            )
+        )
     batched = s.get("registry_sqlite_batched", {}).get("1024")
     if batched and "failed" not in batched:
         per_group = batched["requests"] / batched["groups"]
         out.append(
-            ("heavy storm, batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
-             f"{per_group:.1f} per group, ready {batched['ready_s']:.2f} s",
-             f"{0.5 / batched['ready_s']:.2f}x of target",
-             per_group <= 4 and batched["ready_s"] <= 0.5)
-        )  # fmt: skip
+            (
+                "heavy storm, batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
+                f"{per_group:.1f} per group, ready {batched['ready_s']:.2f} s",
+                f"{0.5 / batched['ready_s']:.2f}x of target",
+                per_group <= 4 and batched["ready_s"] <= 0.5,
+            )
+        )
     etcd4k, sqlite4k = s.get("registry_etcd", {}).get("4096"), sqlite.get("4096")
     if etcd4k is not None:
         ok = "failed" not in etcd4k and not etcd4k.get("errors")
@@ -249,19 +274,25 @@ def _request_path_targets(results: dict[str, Any]) -> list[tuple[str, str, str, 
             else 0.0
         )
         out.append(
-            ("heavy storm: etcd store, 4,096 ranks, 0 errors, ≥ 0.5x the SQLite store's ranks/s",
-             etcd4k.get("failed", f"{etcd4k.get('ranks_per_s', 0):,.0f} ranks/s")[:80],
-             f"ratio {ratio:.2f}", ok and ratio >= 0.5)
-        )  # fmt: skip
+            (
+                "heavy storm: etcd store, 4,096 ranks, 0 errors, ≥ 0.5x the SQLite store's ranks/s",
+                etcd4k.get("failed", f"{etcd4k.get('ranks_per_s', 0):,.0f} ranks/s")[:80],
+                f"ratio {ratio:.2f}",
+                ok and ratio >= 0.5,
+            )
+        )
     lookups = results.get("lookups", {})
     for row in ("get_engine", "handshake", "heartbeat"):
         r = lookups.get(row)
         if r:
             out.append(
-                (f"{row} ≥ 0.7x a minimal FastAPI GET (wrk -c32)",
-                 f"{r['rps']:,.0f} vs {lookups['fastapi_get']['rps']:,.0f} req/s",
-                 f"ratio {r['vs_fastapi_get']:.2f}", r["vs_fastapi_get"] >= 0.7)
-            )  # fmt: skip
+                (
+                    f"{row} ≥ 0.7x a minimal FastAPI GET (wrk -c32)",
+                    f"{r['rps']:,.0f} vs {lookups['fastapi_get']['rps']:,.0f} req/s",
+                    f"ratio {r['vs_fastapi_get']:.2f}",
+                    r["vs_fastapi_get"] >= 0.7,
+                )
+            )
     return out
 
 

@@ -32,28 +32,49 @@ def targets(f: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     restart = top["restart"]["serving_s"]
     out += [
         (f"fleet ready ({n})", f"{ready} s", f"bound {READY_S:g} s", ready <= READY_S),
-        (f"per-node heartbeats: server CPU ({n})", f"{share:.0%} of a core",
-         f"bound {CORE_SHARE:.0%}", share <= CORE_SHARE),
-        (f"per-node heartbeats: p99 ({n})", f"{p99} ms", f"bound {HEARTBEAT_P99_MS:g} ms",
-         p99 <= HEARTBEAT_P99_MS),
+        (
+            f"per-node heartbeats: server CPU ({n})",
+            f"{share:.0%} of a core",
+            f"bound {CORE_SHARE:.0%}",
+            share <= CORE_SHARE,
+        ),
+        (
+            f"per-node heartbeats: p99 ({n})",
+            f"{p99} ms",
+            f"bound {HEARTBEAT_P99_MS:g} ms",
+            p99 <= HEARTBEAT_P99_MS,
+        ),
         (f"a page of 500 groups ({n})", f"{page} ms", f"bound {PAGE_MS:g} ms", page <= PAGE_MS),
         (f"status page ({n})", f"{status} KiB", "bound 1 MB", status <= STATUS_KIB),
-        (f"restart serving again ({n})", f"{restart} s", f"bound {RESTART_S:g} s",
-         restart <= RESTART_S),
-    ]  # fmt: skip
+        (
+            f"restart serving again ({n})",
+            f"{restart} s",
+            f"bound {RESTART_S:g} s",
+            restart <= RESTART_S,
+        ),
+    ]
     for r in f.get("rows", {}).get("etcd", []):
         if not _ok(r):
-            out.append((f"3-member etcd, {r.get('ranks', 0):,} ranks: errors; leases",
-                        str(r.get("failed", "failed"))[:80], "one a node", False))  # fmt: skip
+            out.append(
+                (
+                    f"3-member etcd, {r.get('ranks', 0):,} ranks: errors; leases",
+                    str(r.get("failed", "failed"))[:80],
+                    "one a node",
+                    False,
+                )
+            )
         else:
             errors = r["launch"]["errors"] + sum(
                 v for k, v in r["steady"]["statuses"].items() if not k.endswith(" 200")
             )
             out.append(
-                (f"3-member etcd, {r['ranks']:,} ranks: errors; leases", f"{errors}; "
-                 f"{r['store']['leases']:,} leases", f"one a node: {r['groups']:,}",
-                 errors == 0 and r["store"]["leases"] == r["groups"])
-            )  # fmt: skip
+                (
+                    f"3-member etcd, {r['ranks']:,} ranks: errors; leases",
+                    f"{errors}; {r['store']['leases']:,} leases",
+                    f"one a node: {r['groups']:,}",
+                    errors == 0 and r["store"]["leases"] == r["groups"],
+                )
+            )
     return out
 
 

@@ -88,9 +88,13 @@ def targets(lean: dict[str, Any]) -> list[Target]:
     reg = small.get("registry")
     if _ok(reg):
         out.append(
-            ("issue's storm: 1,024 ranks ready on SQLite ≤ 2 s", f"{reg['ready_s']:.2f} s",
-             f"{2 / reg['ready_s']:.2f}x of target", reg["ready_s"] <= 2.0)
-        )  # fmt: skip
+            (
+                "issue's storm: 1,024 ranks ready on SQLite ≤ 2 s",
+                f"{reg['ready_s']:.2f} s",
+                f"{2 / reg['ready_s']:.2f}x of target",
+                reg["ready_s"] <= 2.0,
+            )
+        )
     for n, size in (("1,024", small), ("4,096", big)):
         ours, etcd = size.get("registry"), size.get("etcd_direct")
         if _ok(ours) and _ok(etcd):
@@ -102,16 +106,22 @@ def targets(lean: dict[str, Any]) -> list[Target]:
     if _ok(reg):
         ms = reg["server_cpu_ms_per_request"]
         out.append(
-            ("issue's storm: server CPU per request ≤ 0.35 ms (1,024 ranks)", f"{ms:.3f} ms",
-             f"{0.35 / ms:.2f}x of target", ms <= 0.35)
-        )  # fmt: skip
+            (
+                "issue's storm: server CPU per request ≤ 0.35 ms (1,024 ranks)",
+                f"{ms:.3f} ms",
+                f"{0.35 / ms:.2f}x of target",
+                ms <= 0.35,
+            )
+        )
     batched = small.get("registry_batched")
     if _ok(batched):
         per_group = batched["requests"] / batched["groups"]
         out.append(
-            ("issue's storm, batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
-             f"{per_group:.1f} per group, ready {batched['ready_s']:.2f} s",
-             f"{0.5 / batched['ready_s']:.2f}x of target",
-             per_group <= 4 and batched["ready_s"] <= 0.5)
-        )  # fmt: skip
+            (
+                "issue's storm, batched: ≤ 4 requests per group, 1,024 ranks ready ≤ 0.5 s",
+                f"{per_group:.1f} per group, ready {batched['ready_s']:.2f} s",
+                f"{0.5 / batched['ready_s']:.2f}x of target",
+                per_group <= 4 and batched["ready_s"] <= 0.5,
+            )
+        )
     return out

@@ -120,8 +120,12 @@ class Churn:
             await self.call(http, "DELETE", f"/tp-groups/{gid}")
 
     async def generation(self, http: aiohttp.ClientSession, gid: str) -> None:
-        body = {"launch_id": uuid.uuid4().hex, "tp_size": 2, "role": "prefill",
-                "compat": {"model": "soak", "block_size": 16}}  # fmt: skip
+        body = {
+            "launch_id": uuid.uuid4().hex,
+            "tp_size": 2,
+            "role": "prefill",
+            "compat": {"model": "soak", "block_size": 16},
+        }
         r = await self.call(http, "PUT", f"/tp-groups/{gid}/engine", body)
         if r is None or r["status"] not in (200, 201):
             return
@@ -129,10 +133,20 @@ class Churn:
         handshake = {"tp_size": 1, "rank": 0}
         for rank, ttl_s in ((0, 30), (1, 5)):
             blob = os.urandom(random.randint(4, 64) * 1024)
-            agent = {"engine_id": eid, "agent_name": f"{gid}-{rank}", "host": "127.0.0.1",
-                     "agent_metadata": base64.b64encode(blob).decode(),
-                     "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096],
-                            "num_blocks": 8, "block_len": 4096}, "ttl_s": ttl_s}  # fmt: skip
+            agent = {
+                "engine_id": eid,
+                "agent_name": f"{gid}-{rank}",
+                "host": "127.0.0.1",
+                "agent_metadata": base64.b64encode(blob).decode(),
+                "kv": {
+                    "mem_type": "DRAM",
+                    "device_id": 0,
+                    "base_addrs": [4096],
+                    "num_blocks": 8,
+                    "block_len": 4096,
+                },
+                "ttl_s": ttl_s,
+            }
             await self.call(http, "PUT", f"/tp-groups/{gid}/engine/agents/{rank}", agent)
         await self.call(http, "POST", f"/engines/{eid}/handshake", handshake)
         beat = {"engine_id": eid}
@@ -152,11 +166,15 @@ async def _soak(url: str, pid: int, db: Path, seconds: float) -> dict[str, Any]:
 
     async def sample() -> None:
         while time.monotonic() < churn.stop_at + 0.1:
-            samples.append({
-                "t": round(time.monotonic() - t0, 1), "rss_mib": round(_rss_mib(pid), 2),
-                "fds": len(os.listdir(f"/proc/{pid}/fd")), "store_mib": round(_store_mib(db), 3),
-                "requests": churn.requests,
-            })  # fmt: skip
+            samples.append(
+                {
+                    "t": round(time.monotonic() - t0, 1),
+                    "rss_mib": round(_rss_mib(pid), 2),
+                    "fds": len(os.listdir(f"/proc/{pid}/fd")),
+                    "store_mib": round(_store_mib(db), 3),
+                    "requests": churn.requests,
+                }
+            )
             if len(samples) % 12 == 1:
                 say(f"soak: {samples[-1]}")
             await asyncio.sleep(SAMPLE_S)
@@ -166,15 +184,22 @@ async def _soak(url: str, pid: int, db: Path, seconds: float) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         await asyncio.gather(sample(), *(churn.slot(http, n) for n in range(SLOTS)))
     errors = sum(n for s, n in churn.statuses.items() if s.startswith("5") and "not_ready" not in s)
-    verdicts = {k: verdict(samples, v) for k, v in
-                 (("rss", "rss_mib"), ("store", "store_mib"), ("fds", "fds"))}  # fmt: skip
+    verdicts = {
+        k: verdict(samples, v)
+        for k, v in (("rss", "rss_mib"), ("store", "store_mib"), ("fds", "fds"))
+    }
     result: dict[str, Any] = {
-        "seconds": seconds, "slots": SLOTS, "rate_target": RATE,
-        "requests": churn.requests, "requests_per_s": round(churn.requests / seconds, 1),
+        "seconds": seconds,
+        "slots": SLOTS,
+        "rate_target": RATE,
+        "requests": churn.requests,
+        "requests_per_s": round(churn.requests / seconds, 1),
         "statuses": dict(sorted(churn.statuses.items())),
         "transport_failures": dict(churn.failures),
-        "errors_5xx": errors, "samples": samples, **verdicts,
-    }  # fmt: skip
+        "errors_5xx": errors,
+        "samples": samples,
+        **verdicts,
+    }
     flat = all(v["ok"] for v in verdicts.values())
     result["ok"] = bool(flat and errors == 0 and not churn.failures)
     return result

@@ -72,9 +72,23 @@ from bench.storm_core import (
     worst_p99_ms,
 )
 
-__all__ = ["BLOB_MAX", "BLOB_MIN", "COMPAT", "HEARTBEAT_S", "PACED_S", "STORM_TIMEOUT_S",
-           "TARGET_OPS", "TP", "TTL_S", "HttpStorm", "Recorder", "blob_sizes", "http_storm",
-           "make_blobs", "run"]  # fmt: skip
+__all__ = [
+    "BLOB_MAX",
+    "BLOB_MIN",
+    "COMPAT",
+    "HEARTBEAT_S",
+    "PACED_S",
+    "STORM_TIMEOUT_S",
+    "TARGET_OPS",
+    "TP",
+    "TTL_S",
+    "HttpStorm",
+    "Recorder",
+    "blob_sizes",
+    "http_storm",
+    "make_blobs",
+    "run",
+]
 
 
 # -- the registry over HTTP ----------------------------------------------------------------------
@@ -132,9 +146,12 @@ class HttpStorm:
     ) -> None:
         async def beat() -> None:
             status, _ = await self._call(
-                s, "heartbeat", "POST", f"/tp-groups/{gid}/engine/agents/{rank}/heartbeat",
+                s,
+                "heartbeat",
+                "POST",
+                f"/tp-groups/{gid}/engine/agents/{rank}/heartbeat",
                 {"engine_id": eid},
-            )  # fmt: skip
+            )
             if status == 404:  # the lease expired meanwhile: register again, as workers do
                 await self._call(
                     s, "reregister", "PUT", f"/tp-groups/{gid}/engine/agents/{rank}", agent
@@ -173,11 +190,14 @@ class HttpStorm:
             "agent_metadata": self.blobs[index],
             "host": HOST,
             "kv": {
-                "mem_type": "DRAM", "device_id": 0, "base_addrs": [0x7F0000000000 + (index << 20)],
-                "num_blocks": 1024, "block_len": 65536,
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [0x7F0000000000 + (index << 20)],
+                "num_blocks": 1024,
+                "block_len": 65536,
             },
             "ttl_s": TTL_S,
-        }  # fmt: skip
+        }
         path = f"/tp-groups/{gid}/engine/agents/{rank}"
         status, answer = await self._call(s, "register", "PUT", path, agent)
         if status not in (200, 201):

@@ -55,8 +55,11 @@ class BatchedStorm(HttpStorm):
         pair: int,
     ) -> None:
         body: dict[str, Any] = {
-            "launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT,
-        }  # fmt: skip
+            "launch_id": uuid.uuid4().hex,
+            "tp_size": TP,
+            "role": role,
+            "compat": COMPAT,
+        }
         status, engine = await self._call(s, "open", "PUT", f"/tp-groups/{gid}/engine", body)
         if status not in (200, 201):
             raise RuntimeError(f"open {gid}: {status} {engine}")

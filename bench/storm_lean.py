@@ -134,12 +134,19 @@ class HttpLean(LeanStorm):
         import base64
 
         body = {
-            "engine_id": eid, "agent_name": f"{eid}-rank{rank}",
-            "agent_metadata": base64.b64encode(blob).decode(), "host": HOST,
-            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [0x7F0000000000 + rank],
-                   "num_blocks": 1024, "block_len": 65536},
+            "engine_id": eid,
+            "agent_name": f"{eid}-rank{rank}",
+            "agent_metadata": base64.b64encode(blob).decode(),
+            "host": HOST,
+            "kv": {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [0x7F0000000000 + rank],
+                "num_blocks": 1024,
+                "block_len": 65536,
+            },
             "ttl_s": TTL_S,
-        }  # fmt: skip
+        }
         await self._call("PUT", f"/tp-groups/{gid}/engine/agents/{rank}", body)
 
     async def handshake(self, prefill_gid: str) -> None:
@@ -175,12 +182,20 @@ class LeanBatched(HttpLean):
         import base64
 
         return {
-            "rank": rank, "engine_id": eid, "agent_name": f"{eid}-rank{rank}",
-            "agent_metadata": base64.b64encode(blob).decode(), "host": HOST,
-            "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [0x7F0000000000 + rank],
-                   "num_blocks": 1024, "block_len": 65536},
+            "rank": rank,
+            "engine_id": eid,
+            "agent_name": f"{eid}-rank{rank}",
+            "agent_metadata": base64.b64encode(blob).decode(),
+            "host": HOST,
+            "kv": {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [0x7F0000000000 + rank],
+                "num_blocks": 1024,
+                "block_len": 65536,
+            },
             "ttl_s": TTL_S,
-        }  # fmt: skip
+        }
 
     async def _rank(self, index: int, gid: str, role: str, pair: int, rank: int) -> None:
         if rank != 0:

@@ -33,10 +33,20 @@ from bench.storm_lean import lean_http
 from workers.tools.procs import free_port
 
 TP = 8
-LINE_OBJECT = {"group_id": "fan-0", "engine_id": str(uuid.uuid4()), "generation": 1,
-               "launch_id": "x", "tp_size": 8, "role": "prefill", "compat": {},
-               "created_at": "2026-12-01T00:00:00.000Z", "ready": False,
-               "registered_ranks": [], "missing_ranks": list(range(8)), "agents": []}  # fmt: skip
+LINE_OBJECT = {
+    "group_id": "fan-0",
+    "engine_id": str(uuid.uuid4()),
+    "generation": 1,
+    "launch_id": "x",
+    "tp_size": 8,
+    "role": "prefill",
+    "compat": {},
+    "created_at": "2026-12-01T00:00:00.000Z",
+    "ready": False,
+    "registered_ranks": [],
+    "missing_ranks": list(range(8)),
+    "agents": [],
+}
 
 
 def rss_mib(pid: int) -> float:
@@ -82,13 +92,15 @@ async def _fanout(url: str, watchers: int, changes: int, pid: int | None) -> dic
         for i in range(changes):
             body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": "prefill"}
             sent = time.perf_counter()
-            async with writer.put(f"{url}/tp-groups/fan-{i}-{uuid.uuid4().hex[:6]}/engine",
-                                  json=body) as r:  # fmt: skip
+            async with writer.put(
+                f"{url}/tp-groups/fan-{i}-{uuid.uuid4().hex[:6]}/engine", json=body
+            ) as r:
                 await r.read()
             deadline = time.monotonic() + 30
             while True:
-                done = [rev for rev, got in arrivals.items()
-                        if rev not in seen and len(got) >= watchers]  # fmt: skip
+                done = [
+                    rev for rev, got in arrivals.items() if rev not in seen and len(got) >= watchers
+                ]
                 if done:
                     break
                 if time.monotonic() > deadline:
@@ -131,8 +143,10 @@ async def _ceiling_server(port: int) -> None:
             if length:
                 await reader.readexactly(length)
             if method == b"GET":
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
                 streams.add(writer)
                 return
             revision += 1
@@ -226,8 +240,9 @@ def storm_with_watchers(ranks: int, watchers: int, rounds: int) -> dict[str, Any
                     if case == "watched":
                         peer = subprocess.Popen(
                             [sys.executable, "-m", "bench.watch", "watchers", url, str(watchers)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        )  # fmt: skip
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                        )
                         assert peer.stdout is not None
                         assert peer.stdout.readline().strip() == b"BENCH-READY"
                     row = lean_http(url, ranks)
@@ -268,12 +283,23 @@ async def _populate(url: str, groups: int) -> None:
             async with s.put(f"{url}/tp-groups/{gid}/engine", json=body) as r:
                 eid = (await r.json())["engine_id"]
             agents = [
-                {"rank": k, "engine_id": eid, "agent_name": f"{eid}-{k}", "agent_metadata": blob,
-                 "host": HOST, "ttl_s": 3600,
-                 "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096],
-                        "num_blocks": 1024, "block_len": 65536}}
+                {
+                    "rank": k,
+                    "engine_id": eid,
+                    "agent_name": f"{eid}-{k}",
+                    "agent_metadata": blob,
+                    "host": HOST,
+                    "ttl_s": 3600,
+                    "kv": {
+                        "mem_type": "DRAM",
+                        "device_id": 0,
+                        "base_addrs": [4096],
+                        "num_blocks": 1024,
+                        "block_len": 65536,
+                    },
+                }
                 for k in range(TP)
-            ]  # fmt: skip
+            ]
             async with s.put(f"{url}/tp-groups/{gid}/engine/agents", json={"agents": agents}) as r:
                 if r.status != 200:
                     raise RuntimeError(f"{gid}: {r.status} {await r.text()}")

@@ -97,9 +97,12 @@ async def measure(
         settings = Settings(store=f"sqlite:///{Path(tmp) / 'registry.db'}")
         app = create_app(settings)
         config = RegistryConfig(
-            app, tls=None, handshake_timeout_s=settings.header_timeout_s, hot_path=True,
+            app,
+            tls=None,
+            handshake_timeout_s=settings.header_timeout_s,
+            hot_path=True,
             **uvicorn_options(settings),
-        )  # fmt: skip
+        )
         config.load()
         lifespan = LifespanOn(config)
         await lifespan.startup()
@@ -158,11 +161,12 @@ async def measure(
         rng = random.Random(1)
         beats = [
             RawPool.prepare(
-                "POST", f"/tp-groups/{g}/engine/agents/heartbeat",
+                "POST",
+                f"/tp-groups/{g}/engine/agents/heartbeat",
                 {"engine_id": engines[g], "ranks": list(range(TP))},
             )
             for g in (rng.choice(list(engines)) for _ in range(PER_ROUND))
-        ]  # fmt: skip
+        ]
         for beat in beats[:1000]:  # warm up
             await request(beat)
         rounds = []

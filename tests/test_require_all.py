@@ -29,10 +29,26 @@ def run(tmp_path: Path, require_all: bool) -> subprocess.CompletedProcess[str]:
     if require_all:
         env["ENGINE_REGISTRY_REQUIRE_ALL"] = "1"
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-         "--rootdir", str(tmp_path), str(test)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.conftest",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(test),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_a_skip_for_a_missing_part_fails_when_every_tier_must_run(tmp_path: Path) -> None:

@@ -34,10 +34,28 @@ def run(tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     test.write_text(MODULES[name])
     env = {k: v for k, v in os.environ.items() if k not in {"CI", "ENGINE_REGISTRY_REQUIRE_ALL"}}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-         "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path), str(test)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.conftest",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            str(test),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_a_module_without_a_tier_fails_collection_naming_itself_and_the_tiers(

@@ -294,9 +294,15 @@ def run(args: DecodeSettings) -> int:
         local = kv_spec(buffer, layout.local_heads(info.world))
         try:
             publication = launch.publish(
-                args, client, info, identity, endpoint, local, lambda exc: stop.set(),
+                args,
+                client,
+                info,
+                identity,
+                endpoint,
+                local,
+                lambda exc: stop.set(),
                 linger_s=args.deadline_s,
-            )  # fmt: skip
+            )
         except EngineIdentityError as exc:
             log.error("REGISTRY REFUSED THE AGENTS: %s", exc)
             reporter.update(status="refused", error=str(exc), causes=exc.causes)

@@ -112,10 +112,12 @@ class NixlEndpoint:
         handles: list[tuple[str, Any]] = []
         try:
             for r in reads:
-                local = self.agent.get_xfer_descs(np.array(r.local, dtype=np.uint64),
-                                                  local_mem_type)  # fmt: skip
-                remote = self.agent.get_xfer_descs(np.array(r.remote, dtype=np.uint64),
-                                                   r.remote_mem_type)  # fmt: skip
+                local = self.agent.get_xfer_descs(
+                    np.array(r.local, dtype=np.uint64), local_mem_type
+                )
+                remote = self.agent.get_xfer_descs(
+                    np.array(r.remote, dtype=np.uint64), r.remote_mem_type
+                )
                 try:
                     handle = self.agent.initialize_xfer("READ", local, remote, r.remote_name)
                     handles.append((r.remote_name, handle))

@@ -233,11 +233,18 @@ def publish(
             )
 
         return publish_per_node(
-            client_factory(args), identity, describe, node=info.node_rank,
-            cpu_group=info.cpu_group, collective_timeout_s=args.collective_timeout_s,
-            ttl_s=args.ttl_s, linger_s=linger_s, wanted=wanted, what=what,
+            client_factory(args),
+            identity,
+            describe,
+            node=info.node_rank,
+            cpu_group=info.cpu_group,
+            collective_timeout_s=args.collective_timeout_s,
+            ttl_s=args.ttl_s,
+            linger_s=linger_s,
+            wanted=wanted,
+            what=what,
             on_superseded=on_superseded,
-        )  # fmt: skip
+        )
     publication: Publication | None = None
     ok, cause, detail = True, "", ""
     try:

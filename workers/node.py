@@ -174,14 +174,19 @@ class NodeLeader:
             try:
                 self.signals.set_superseded(exc.detail or str(exc))
             except Exception as err:
-                log.error("could not tell node %d's followers they are superseded: %s",
-                          node.node, err)  # fmt: skip
+                log.error(
+                    "could not tell node %d's followers they are superseded: %s", node.node, err
+                )
             on_superseded(exc)
 
         self.batch = BatchPublication(
-            make_client, identity, items, label=f"node {node.node} ranks {node.ranks}",
-            ttl_s=ttl_s, on_superseded=superseded,
-        )  # fmt: skip
+            make_client,
+            identity,
+            items,
+            label=f"node {node.node} ranks {node.ranks}",
+            ttl_s=ttl_s,
+            on_superseded=superseded,
+        )
         self.superseded = self.batch.superseded
 
     @property
@@ -241,8 +246,7 @@ class NodeFollower:
             try:
                 detail = self.signals.superseded()
             except Exception as exc:  # the store went away: the job is ending
-                log.warning("rank %d: node signals unreadable (%s); watcher stops", self.rank,
-                            exc)  # fmt: skip
+                log.warning("rank %d: node signals unreadable (%s); watcher stops", self.rank, exc)
                 return
             if detail is None:
                 continue
@@ -307,9 +311,14 @@ def publish_per_node(
         if len(items) == len(gathered):
             try:
                 leader = NodeLeader(
-                    make_client, identity, items, group, ttl_s=ttl_s, linger_s=linger_s,
+                    make_client,
+                    identity,
+                    items,
+                    group,
+                    ttl_s=ttl_s,
+                    linger_s=linger_s,
                     on_superseded=on_superseded,
-                )  # fmt: skip
+                )
                 created = leader.publish()
                 log.info(
                     "node %d: registered ranks %s in one request (%s)",

@@ -82,9 +82,15 @@ def run(args: PrefillSettings) -> int:
 
         try:
             publication = launch.publish(
-                args, client, info, identity, endpoint, kv_spec(cache, heads), on_superseded,
+                args,
+                client,
+                info,
+                identity,
+                endpoint,
+                kv_spec(cache, heads),
+                on_superseded,
                 linger_s=args.serve_s,
-            )  # fmt: skip
+            )
         except EngineIdentityError as exc:
             log.error("REGISTRY REFUSED THE AGENTS: %s", exc)
             reporter.update(status="refused", error=str(exc), causes=exc.causes)

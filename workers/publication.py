@@ -211,15 +211,19 @@ class Publication(LeaseKeeper):
 
     def _renew(self, client: RegistryClient, timeout_s: float) -> None:
         client.heartbeat(
-            self.identity.group_id, self.rank, engine_id=self.identity.engine_id,
+            self.identity.group_id,
+            self.rank,
+            engine_id=self.identity.engine_id,
             timeout_s=timeout_s,
-        )  # fmt: skip
+        )
 
     def _deregister(self, client: RegistryClient, timeout_s: float) -> None:
         client.deregister_agent(
-            self.identity.group_id, self.rank, engine_id=self.identity.engine_id,
+            self.identity.group_id,
+            self.rank,
+            engine_id=self.identity.engine_id,
             timeout_s=timeout_s,
-        )  # fmt: skip
+        )
 
 
 class BatchPublication(LeaseKeeper):
@@ -269,18 +273,22 @@ class BatchPublication(LeaseKeeper):
 
     def _renew(self, client: RegistryClient, timeout_s: float) -> None:
         client.heartbeat_agents(
-            self.identity.group_id, engine_id=self.identity.engine_id, ranks=self.ranks,
+            self.identity.group_id,
+            engine_id=self.identity.engine_id,
+            ranks=self.ranks,
             timeout_s=timeout_s,
-        )  # fmt: skip
+        )
 
     def _deregister(self, client: RegistryClient, timeout_s: float) -> None:
         failed: list[str] = []
         for rank in self.ranks:
             try:
                 client.deregister_agent(
-                    self.identity.group_id, rank, engine_id=self.identity.engine_id,
+                    self.identity.group_id,
+                    rank,
+                    engine_id=self.identity.engine_id,
                     timeout_s=timeout_s,
-                )  # fmt: skip
+                )
             except NotFound:
                 pass  # already gone: what deregistering wants
             except RegistryError as exc:

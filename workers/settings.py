@@ -41,9 +41,10 @@ class WorkerSettings(BaseSettings):
     registry_key: Path | None = Field(None, description="PEM key of the client certificate")
     group_id: str = Field(description="this TP group's id")
     advertise_host: str | None = Field(
-        None, description="the address peers reach this rank at (default: the one routing to "
-        "the registry)"
-    )  # fmt: skip
+        None,
+        description="the address peers reach this rank at (default: the one routing to "
+        "the registry)",
+    )
     publish: Literal["per-node", "per-rank"] = Field(
         "per-node", description="per-node or per-rank (who registers the agents)"
     )
@@ -98,9 +99,10 @@ class DecodeSettings(WorkerSettings):
     read_blocks: int = Field(0, ge=0, description="blocks to read (0: all)")
     rounds: int = Field(1, ge=1, description="verified rounds to complete, >= 1")
     until_engines: int = Field(
-        0, ge=0, description="keep going until blocks of this many distinct prefill engines "
-        "verified"
-    )  # fmt: skip
+        0,
+        ge=0,
+        description="keep going until blocks of this many distinct prefill engines verified",
+    )
     round_interval_s: float = Field(0.2, ge=0, description="seconds between rounds, >= 0")
     handshake_timeout_s: float = Field(60.0, gt=0, description="seconds > 0")
     transfer_timeout_s: float = Field(10.0, gt=0, description="seconds > 0")
@@ -119,13 +121,19 @@ class DecodeSettings(WorkerSettings):
 
 def parse_prefill(argv: list[str] | None, description: str | None) -> PrefillSettings:
     return config.parse(
-        PrefillSettings, argv, prog="python -m workers.prefill", description=description,
+        PrefillSettings,
+        argv,
+        prog="python -m workers.prefill",
+        description=description,
         aliases=FLAG_ALIASES,
-    )  # fmt: skip
+    )
 
 
 def parse_decode(argv: list[str] | None, description: str | None) -> DecodeSettings:
     return config.parse(
-        DecodeSettings, argv, prog="python -m workers.decode", description=description,
+        DecodeSettings,
+        argv,
+        prog="python -m workers.decode",
+        description=description,
         aliases=FLAG_ALIASES,
-    )  # fmt: skip
+    )

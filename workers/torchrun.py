@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)  # type: ignore[no-untyped-call]
-    for name in ("torch.distributed.elastic.agent.server.api",
-                 "torch.distributed.elastic.multiprocessing.api"):  # fmt: skip
+    for name in (
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.api",
+    ):
         logging.getLogger(name).addFilter(_StopNoise())
     try:
         record(run)(args)  # as torchrun's own main: a failed rank's error summary

@@ -252,9 +252,11 @@ class GroupWatch(_Watch):
             url = self.client.urls[self.url_index]
             try:
                 with http.stream(
-                    "GET", url + "/tp-groups", params=self.params(self.cursor),
+                    "GET",
+                    url + "/tp-groups",
+                    params=self.params(self.cursor),
                     timeout=self.timeout(),
-                ) as response:  # fmt: skip
+                ) as response:
                     if response.status_code != 200:
                         self.check(response, response.read())
                     self.heard = time.monotonic()
@@ -312,9 +314,11 @@ class AsyncGroupWatch(_Watch):
                 url = self.client.urls[self.url_index]
                 try:
                     async with http.stream(
-                        "GET", url + "/tp-groups", params=self.params(self.cursor),
+                        "GET",
+                        url + "/tp-groups",
+                        params=self.params(self.cursor),
                         timeout=self.timeout(),
-                    ) as response:  # fmt: skip
+                    ) as response:
                         if response.status_code != 200:
                             self.check(response, await response.aread())
                         self.heard = time.monotonic()

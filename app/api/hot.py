@@ -160,8 +160,14 @@ class HotPath:
         if parts is not None:
             parts[0].finish(scope, scope["state"]["request_id"], status, started)
 
-    def wire(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes,
-             defaults: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes:  # fmt: skip
+    def wire(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        defaults: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+    ) -> bytes:
         """The whole answer as uvicorn's ``send`` would write it: its default headers (date,
         server) first, then the answer's, then ``connection: close`` when not kept alive."""
         if defaults is not self._defaults:  # uvicorn renews the list (its date) every second

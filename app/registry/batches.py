@@ -45,9 +45,13 @@ class BatchesMixin(AgentsMixin):
             for i, item in enumerate(req.agents):
                 if item.rank >= engine.tp_size:
                     raise outside_group(
-                        gid, item.rank, engine.tp_size, ("agents", i, "rank"),
-                        where=f" (agents[{i}])", after="; nothing of the batch was registered",
-                    )  # fmt: skip
+                        gid,
+                        item.rank,
+                        engine.tp_size,
+                        ("agents", i, "rank"),
+                        where=f" (agents[{i}])",
+                        after="; nothing of the batch was registered",
+                    )
                 if item.engine_id != engine.engine_id:
                     raise await self._mismatch(state, item.rank, item.engine_id)
             lease = await self.store.grant_lease(ttl_s)

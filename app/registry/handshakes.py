@@ -90,9 +90,14 @@ class HandshakesMixin(RegistryBase):
                 )
             )
         self.events.handshake(
-            engine_id, engine.group_id, engine.generation, req.tp_size, req.rank,
-            plan.target_ranks, decode,
-        )  # fmt: skip
+            engine_id,
+            engine.group_id,
+            engine.generation,
+            req.tp_size,
+            req.rank,
+            plan.target_ranks,
+            decode,
+        )
         return Handshake.model_construct(
             engine_id=engine.engine_id,
             group_id=engine.group_id,

@@ -78,9 +78,15 @@ class KeptStates:
         was = kept.state
         expires = {rank: read_at + remaining.get(lease, ttl) for rank, lease, ttl in kept.leases}
         state = GroupState(
-            was.engine, was.engine_revision, was.agents, was.agent_revisions, expires, revision,
-            was.serving, was.serving_revision,
-        )  # fmt: skip
+            was.engine,
+            was.engine_revision,
+            was.agents,
+            was.agent_revisions,
+            expires,
+            revision,
+            was.serving,
+            was.serving_revision,
+        )
         state.__dict__["missing"] = was.missing  # the cached property, made once
         return state
 

@@ -73,9 +73,15 @@ class GroupState:
         if serving is not None and serving.engine_id != engine.engine_id:
             serving, serving_revision = None, 0  # published by an older launch
         return cls(
-            engine, engine_revision, live, revisions, expires, snap.revision,
-            serving, serving_revision,
-        )  # fmt: skip
+            engine,
+            engine_revision,
+            live,
+            revisions,
+            expires,
+            snap.revision,
+            serving,
+            serving_revision,
+        )
 
     @functools.cached_property
     def missing(self) -> list[int]:

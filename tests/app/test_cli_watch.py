@@ -71,14 +71,26 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
         c = httpx.Client(base_url=registry.url, timeout=10)
         body = {"launch_id": launch(), "tp_size": 2, "role": "prefill"}
         eid = c.put("/tp-groups/alpha/engine", json=body).json()["engine_id"]
-        cmd = [sys.executable, "-m", "app", "status", "--watch", "--interval", "0.3",
-               "--url", registry.url]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "status",
+            "--watch",
+            "--interval",
+            "0.3",
+            "--url",
+            registry.url,
+        ]
         # SIGINT as a terminal's Ctrl-C delivers it, whatever this test process inherited
         # (a background job of a non-interactive shell, or nohup, starts with it ignored).
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             preexec_fn=_sigint_default,
-        )  # fmt: skip
+        )
         out = Output(proc)
         try:
             first = out.wait_frame("alpha")
@@ -108,12 +120,24 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
 
 def test_watch_takes_ctrl_c_even_when_started_with_sigint_ignored(tmp_path: Path) -> None:
     with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}") as registry:
-        cmd = [sys.executable, "-m", "app", "status", "--watch", "--interval", "0.3",
-               "--url", registry.url]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "status",
+            "--watch",
+            "--interval",
+            "0.3",
+            "--url",
+            registry.url,
+        ]
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             preexec_fn=_sigint_ignored,
-        )  # fmt: skip
+        )
         out = Output(proc)
         try:
             out.wait_frame("0 groups")

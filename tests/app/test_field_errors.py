@@ -27,8 +27,9 @@ def answer(error: InvalidRequest, template: str) -> list[dict[str, Any]]:
 def test_a_field_of_the_routes_path_is_located_in_the_path() -> None:
     error = outside_group("g", 5, 2, ("rank",))
     errors = answer(error, "/tp-groups/{group_id}/engine/agents/{rank}")
-    assert errors == [{"loc": ["path", "rank"], "msg": "must be below tp_size 2",
-                       "type": "less_than"}]  # fmt: skip
+    assert errors == [
+        {"loc": ["path", "rank"], "msg": "must be below tp_size 2", "type": "less_than"}
+    ]
 
 
 def test_a_field_the_path_does_not_take_is_located_in_the_body() -> None:

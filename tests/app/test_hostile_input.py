@@ -109,12 +109,22 @@ def test_a_kv_extra_nested_past_the_limit_is_refused_and_the_registry_stays_heal
         ("GET the engine", "GET", f"/engines/{eid}", None, 200),
         # Rank 0 is live and is the only target of a decode rank 0 of TP 2.
         ("handshake", "POST", f"/engines/{eid}/handshake", {"tp_size": 2, "rank": 0}, 200),
-        ("heartbeat", "POST", f"/tp-groups/{group}/engine/agents/0/heartbeat",
-         {"engine_id": eid}, 200),
-        ("relaunch", "PUT", f"/tp-groups/{group}/engine",
-         {"launch_id": f"relaunch-{depth}", "tp_size": 2, "role": "prefill"}, 201),
+        (
+            "heartbeat",
+            "POST",
+            f"/tp-groups/{group}/engine/agents/0/heartbeat",
+            {"engine_id": eid},
+            200,
+        ),
+        (
+            "relaunch",
+            "PUT",
+            f"/tp-groups/{group}/engine",
+            {"launch_id": f"relaunch-{depth}", "tp_size": 2, "role": "prefill"},
+            201,
+        ),
         ("DELETE the group", "DELETE", f"/tp-groups/{group}", None, 204),
-    ]  # fmt: skip
+    ]
     for what, method, path, body, want in checks:
         try:
             resp = client.request(method, path, json=body)
@@ -174,19 +184,37 @@ def local_port(resp: httpx.Response) -> int:
 def surrogate_requests(engine: dict[str, Any]) -> list[tuple[str, str, str, bytes]]:
     eid, group = engine["engine_id"], engine["group_id"]
     return [
-        ("open, compat value", "PUT", f"/tp-groups/{group}-s1/engine",
-         b'{"launch_id": "l-s1", "tp_size": 1, "role": "prefill", '
-         b'"compat": {"k": "\\ud800"}}'),
-        ("open, compat key", "PUT", f"/tp-groups/{group}-s2/engine",
-         b'{"launch_id": "l-s2", "tp_size": 1, "role": "prefill", '
-         b'"compat": {"\\udfff": 1}}'),
-        ("agent, kv extra value", "PUT", f"/tp-groups/{group}/engine/agents/0",
-         agent_json(eid, 0, '"\\ud800"')),
-        ("agent, kv extra key", "PUT", f"/tp-groups/{group}/engine/agents/0",
-         agent_json(eid, 0, '{"\\ud800x": 1}')),
-        ("handshake, compat value", "POST", f"/engines/{eid}/handshake",
-         b'{"tp_size": 1, "rank": 0, "compat": {"model": "\\ud800"}}'),
-    ]  # fmt: skip
+        (
+            "open, compat value",
+            "PUT",
+            f"/tp-groups/{group}-s1/engine",
+            b'{"launch_id": "l-s1", "tp_size": 1, "role": "prefill", "compat": {"k": "\\ud800"}}',
+        ),
+        (
+            "open, compat key",
+            "PUT",
+            f"/tp-groups/{group}-s2/engine",
+            b'{"launch_id": "l-s2", "tp_size": 1, "role": "prefill", "compat": {"\\udfff": 1}}',
+        ),
+        (
+            "agent, kv extra value",
+            "PUT",
+            f"/tp-groups/{group}/engine/agents/0",
+            agent_json(eid, 0, '"\\ud800"'),
+        ),
+        (
+            "agent, kv extra key",
+            "PUT",
+            f"/tp-groups/{group}/engine/agents/0",
+            agent_json(eid, 0, '{"\\ud800x": 1}'),
+        ),
+        (
+            "handshake, compat value",
+            "POST",
+            f"/engines/{eid}/handshake",
+            b'{"tp_size": 1, "rank": 0, "compat": {"model": "\\ud800"}}',
+        ),
+    ]
 
 
 @pytest.mark.timeout(30)
@@ -228,9 +256,10 @@ def test_a_non_ascii_request_id_is_echoed_unaltered_or_replaced_by_a_fresh_one(
 ) -> None:
     answer = raw_exchange(
         shared.port,
-        b"GET /healthz HTTP/1.1\r\nHost: registry\r\nX-Request-ID: " + sent
+        b"GET /healthz HTTP/1.1\r\nHost: registry\r\nX-Request-ID: "
+        + sent
         + b"\r\nConnection: close\r\n\r\n",
-    )  # fmt: skip
+    )
     assert answer.status == 200, answer
     echoed = answer.header(b"x-request-id")
     assert echoed is not None, answer.headers

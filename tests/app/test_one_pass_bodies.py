@@ -87,11 +87,27 @@ def text(value: dict[str, Any]) -> bytes:
 
 # Raw JSON for a kv extra: what json.dumps cannot write, and the edges of the limits.
 EXTRAS = [
-    "NaN", "Infinity", "-Infinity", "1e309", "-1e400", "1.5e-400", "0.1", "-0.0",
-    "123456789012345678901234567890", '{"a": [1, NaN]}', '"\\ud800"', '"\\udfff x"',
-    '"\\u00e9t\\u00e9"', '"tab\\tnew\\nline"', "true", "null", "[]", "{}",
-    '{"k": 1, "k": 2}', '"' + "x" * 5000 + '"',
-]  # fmt: skip
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e309",
+    "-1e400",
+    "1.5e-400",
+    "0.1",
+    "-0.0",
+    "123456789012345678901234567890",
+    '{"a": [1, NaN]}',
+    '"\\ud800"',
+    '"\\udfff x"',
+    '"\\u00e9t\\u00e9"',
+    '"tab\\tnew\\nline"',
+    "true",
+    "null",
+    "[]",
+    "{}",
+    '{"k": 1, "k": 2}',
+    '"' + "x" * 5000 + '"',
+]
 
 
 @pytest.mark.parametrize("extra", EXTRAS)
@@ -105,9 +121,13 @@ def test_a_kv_extra_is_judged_alike_one_rank_and_a_batch(extra: str) -> None:
     same(RegisterAgentsRequest, every.replace(b'"@@"', b"0", 7).replace(b'"@@"', odd), _BATCH_KV)
 
 
-@pytest.mark.parametrize(("model", "base", "free"), [
-    (RegisterAgentRequest, 2, _ONE_KV), (RegisterAgentsRequest, 4, _BATCH_KV),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "base", "free"),
+    [
+        (RegisterAgentRequest, 2, _ONE_KV),
+        (RegisterAgentsRequest, 4, _BATCH_KV),
+    ],
+)
 def test_nesting_at_the_limit_is_taken_in_one_pass_and_past_it_refused(
     model: type[BaseModel], base: int, free: FreeParts
 ) -> None:

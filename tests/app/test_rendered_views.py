@@ -35,29 +35,48 @@ def engine(
 ) -> Entry:
     """The engine's entry, written at ``revision`` (a store gives each write its own)."""
     record = EngineRecord(
-        group_id=GID, engine_id=f"e-{generation}", generation=generation, launch_id="l",
-        tp_size=tp, role="prefill", compat=compat or {"model": "m", "f": 0.5},
+        group_id=GID,
+        engine_id=f"e-{generation}",
+        generation=generation,
+        launch_id="l",
+        tp_size=tp,
+        role="prefill",
+        compat=compat or {"model": "m", "f": 0.5},
         created_at="2026-12-02T10:00:00.000Z",
-    )  # fmt: skip
+    )
     return Entry(_engine_key(GID), record.model_dump_json().encode(), revision or generation * 100)
 
 
 def agent(rank: int, revision: int, lease: int, generation: int = 1, name: str = "") -> Entry:
     record = AgentRecord(
-        rank=rank, engine_id=f"e-{generation}", generation=generation,
-        agent_name=name or f"e-{generation}-rank{rank}", host=f"10.0.0.{rank + 1}", ttl_s=30,
-        registered_at="2026-12-02T10:00:01.000Z", lease=lease,
-        kv={"mem_type": "DRAM", "device_id": rank, "base_addrs": [1, 2], "num_blocks": 4,
-            "block_len": 64},
-    )  # fmt: skip
+        rank=rank,
+        engine_id=f"e-{generation}",
+        generation=generation,
+        agent_name=name or f"e-{generation}-rank{rank}",
+        host=f"10.0.0.{rank + 1}",
+        ttl_s=30,
+        registered_at="2026-12-02T10:00:01.000Z",
+        lease=lease,
+        kv={
+            "mem_type": "DRAM",
+            "device_id": rank,
+            "base_addrs": [1, 2],
+            "num_blocks": 4,
+            "block_len": 64,
+        },
+    )
     return Entry(_agent_key(GID, rank), record.model_dump_json().encode(), revision, lease)
 
 
 def serving(revision: int, generation: int = 1) -> Entry:
     record = ServingRecord(
-        engine_id=f"e-{generation}", url="http://10.0.0.1:8000", model="m", dp_rank=None,
-        bootstrap="10.0.0.1:8998", published_at="2026-12-02T10:00:02.000Z",
-    )  # fmt: skip
+        engine_id=f"e-{generation}",
+        url="http://10.0.0.1:8000",
+        model="m",
+        dp_rank=None,
+        bootstrap="10.0.0.1:8998",
+        published_at="2026-12-02T10:00:02.000Z",
+    )
     return Entry(_serving_key(GID), record.model_dump_json().encode(), revision)
 
 
@@ -97,8 +116,11 @@ def test_kept_views_are_the_fresh_bytes_through_a_groups_changes() -> None:
     for group in versions:
         for _ in range(4):  # the same version read again, leases at other times
             now = 1_764_670_000 + rng.uniform(0, 1e6)
-            remaining = {lease: rng.choice([0.0, -1.0, 0.004, 12.5, 29.9994]) for lease in
-                         range(6, 13) if rng.random() < 0.8}  # fmt: skip
+            remaining = {
+                lease: rng.choice([0.0, -1.0, 0.004, 12.5, 29.9994])
+                for lease in range(6, 13)
+                if rng.random() < 0.8
+            }
             shown = live(group, remaining)
             assert rendered.json(GID, shown, decoded, remaining, now) == fresh(
                 group, remaining, now

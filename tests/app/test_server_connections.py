@@ -235,9 +235,10 @@ def read_answer(sock: socket.socket) -> bytes:
         buf += chunk
     head, _, body = buf.partition(b"\r\n\r\n")
     length = next(
-        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")[1:]
         if line.lower().startswith(b"content-length:")
-    )  # fmt: skip
+    )
     while len(body) < length:
         chunk = sock.recv(65536)
         assert chunk, "the server closed the connection mid-answer"
@@ -455,9 +456,13 @@ def serve_one_client(server: RegistryProcess, budget_s: float) -> str | None:
     last = "nothing"
     steps: list[tuple[str, str, dict[str, Any] | None, int]] = [
         ("GET", "/healthz", None, 200),
-        ("PUT", "/tp-groups/crowded/engine",
-         {"launch_id": "l-crowd", "tp_size": 1, "role": "prefill"}, 201),
-    ]  # fmt: skip
+        (
+            "PUT",
+            "/tp-groups/crowded/engine",
+            {"launch_id": "l-crowd", "tp_size": 1, "role": "prefill"},
+            201,
+        ),
+    ]
     for method, path, body, want in steps:
         while True:
             left = budget_s - (time.monotonic() - t0)

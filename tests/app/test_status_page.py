@@ -184,10 +184,19 @@ def test_the_page_is_valid_html(registry: RegistryProcess, tmp_path: Path) -> No
     assert page.headers["content-type"].startswith("text/html")
     (tmp_path / "status.html").write_text(page.text)
     done = subprocess.run(
-        [java, "-jar", str(vnu), "--format", "json", "--exit-zero-always",
-         str(tmp_path / "status.html")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            java,
+            "-jar",
+            str(vnu),
+            "--format",
+            "json",
+            "--exit-zero-always",
+            str(tmp_path / "status.html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     messages = json.loads(done.stderr or done.stdout)["messages"]
     errors = [m for m in messages if m.get("type") in {"error", "non-document-error"}]
     assert errors == [], json.dumps(errors, indent=1)

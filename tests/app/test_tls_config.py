@@ -44,11 +44,26 @@ def test_a_key_that_is_not_the_certificates_is_refused_naming_both(pki: Pki) -> 
 
 def test_serve_stops_with_status_2_on_an_unusable_certificate(pki: Pki, tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "app", "serve", "--port", "0",
-         "--store", f"sqlite:///{tmp_path / 'r.db'}",
-         "--tls-cert", str(pki.server_cert), "--tls-key", str(pki.client_key)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--port",
+            "0",
+            "--store",
+            f"sqlite:///{tmp_path / 'r.db'}",
+            "--tls-cert",
+            str(pki.server_cert),
+            "--tls-key",
+            str(pki.client_key),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2, done.stderr
     assert "REGISTRY_TLS_KEY" in done.stderr
 

@@ -134,9 +134,15 @@ def test_the_vllm_plugin_registers_over_mutual_tls(
         group, engine.engine_id, engine.generation, settings.urls, settings.launch_id
     )
     publication = Publication(
-        lambda: common.client(settings), identity, 0, agent_name=f"{engine.engine_id}-rank0",
-        metadata=b"nixl", host="10.0.0.7", kv=KV, ttl_s=settings.ttl_s,
-    )  # fmt: skip
+        lambda: common.client(settings),
+        identity,
+        0,
+        agent_name=f"{engine.engine_id}-rank0",
+        metadata=b"nixl",
+        host="10.0.0.7",
+        kv=KV,
+        ttl_s=settings.ttl_s,
+    )
     publication.publish()
     publication.start()
     with common.client(settings) as client:

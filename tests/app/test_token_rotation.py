@@ -127,10 +127,24 @@ def test_tokens_rotate_on_sighup_and_on_change_and_a_bad_file_keeps_the_previous
         # 4. An admin's status shows the generation; a reader's does not.
         def status(token: str) -> str:
             done = subprocess.run(
-                [sys.executable, "-m", "app", "status", "--url", server.url, "--token", token,
-                 "--ca", str(pki.ca)],
-                cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "app",
+                    "status",
+                    "--url",
+                    server.url,
+                    "--token",
+                    token,
+                    "--ca",
+                    str(pki.ca),
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
             return done.stdout
 
         admin = status(ADMIN)

@@ -178,9 +178,11 @@ def test_etcd_compacted_under_watchers_answers_410_and_they_relist(
                 head = w.get("/tp-groups").json()["revision"]
             subprocess.run(
                 [ETCDCTL_BIN, "--endpoints", m1.endpoint, "compact", str(head), "--physical"],
-                check=True, capture_output=True, timeout=15,
+                check=True,
+                capture_output=True,
+                timeout=15,
                 env={**os.environ, "ETCDCTL_API": "3"},
-            )  # fmt: skip
+            )
             # The replica's watch breaks, cannot resume (compacted), reads the groups again.
             deadline = time.monotonic() + 30
             final: dict[str, Any] | None = None
@@ -199,10 +201,13 @@ def test_etcd_compacted_under_watchers_answers_410_and_they_relist(
             with httpx.Client(base_url=writer.url, timeout=10) as w:
                 w.put(f"/tp-groups/{after}/engine", json=open_body())
             watcher.wait(
-                lambda: ("ADDED", after) in {(e.type, e.engine and e.engine.group_id)
-                                            for e in watcher.events},
-                20, "a change after the relist",
-            )  # fmt: skip
+                lambda: (
+                    ("ADDED", after)
+                    in {(e.type, e.engine and e.engine.group_id) for e in watcher.events}
+                ),
+                20,
+                "a change after the relist",
+            )
     finally:
         if frozen:
             os.kill(m0.proc.pid, signal.SIGCONT)

@@ -26,8 +26,11 @@ __all__ = ["rendered"]
 
 
 def router_sync(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    [deployment] = [o for o in objects if o["kind"] == "Deployment"
-                    and o["metadata"]["name"].endswith("router-sync")]  # fmt: skip
+    [deployment] = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("router-sync")
+    ]
     container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
     return container
 

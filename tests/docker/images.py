@@ -207,11 +207,14 @@ class Images:
         started = time.monotonic()
         tarball = self.log_dir / f"{name}.tar"
         mmdebstrap = [
-            "mmdebstrap", "--variant=minbase", "--quiet",
+            "mmdebstrap",
+            "--variant=minbase",
+            "--quiet",
             f"--include={','.join(packages)}",
             *(f"--dpkgopt=path-exclude={p}" for p in DPKG_EXCLUDES),
-            SUITE, str(tarball),
-        ]  # fmt: skip
+            SUITE,
+            str(tarball),
+        ]
         made = subprocess.run(mmdebstrap, capture_output=True, text=True, timeout=900, check=False)
         if made.returncode != 0:
             raise RuntimeError(f"{' '.join(mmdebstrap)}: {made.stderr[-4000:]}")
@@ -236,10 +239,17 @@ class Images:
         args = [a for key, value in build_args.items() for a in ("--build-arg", f"{key}={value}")]
         started = time.monotonic()
         out = self.run(
-            "build", "--network", "host", "-f", str(ROOT / "docker" / "Dockerfile"),
-            "-t", tag, *args, str(ROOT),
+            "build",
+            "--network",
+            "host",
+            "-f",
+            str(ROOT / "docker" / "Dockerfile"),
+            "-t",
+            tag,
+            *args,
+            str(ROOT),
             DOCKER_BUILDKIT="1" if buildkit else "0",
-        )  # fmt: skip
+        )
         took = time.monotonic() - started
         self.build_log(tag).write_text(out)
         self.timings[f"build {tag}"] = took

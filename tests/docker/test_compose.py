@@ -234,8 +234,10 @@ def test_ha_profile_runs_two_replicas_on_one_three_member_etcd_cluster() -> None
     services = load_services(HA_ENV)
     members = {n: s for n, s in services.items() if s.command[:1] == ["etcd"]}
     assert sorted(members) == ["etcd-1", "etcd-2", "etcd-3"]
-    peers = {flag(s.command, "--name"): flag(s.command, "--initial-advertise-peer-urls")
-             for s in members.values()}  # fmt: skip
+    peers = {
+        flag(s.command, "--name"): flag(s.command, "--initial-advertise-peer-urls")
+        for s in members.values()
+    }
     clients = {flag(s.command, "--advertise-client-urls") for s in members.values()}
     for name, member in members.items():
         assert flag(member.command, "--name") == name == member.hostname
@@ -269,9 +271,12 @@ def test_registry_environment_is_accepted_by_the_service_settings(tmp_path: Path
             variables = {**image_environment(), **service.environment}
             variables["REGISTRY_TOKENS_FILE"] = str(tokens)
             settings = Settings.model_validate(
-                {k.removeprefix("REGISTRY_").lower(): v for k, v in variables.items()
-                 if k.startswith("REGISTRY_")}
-            )  # fmt: skip
+                {
+                    k.removeprefix("REGISTRY_").lower(): v
+                    for k, v in variables.items()
+                    if k.startswith("REGISTRY_")
+                }
+            )
             assert settings.host == "0.0.0.0", name
             assert service.environment["REGISTRY_TOKENS_FILE"] == "/run/secrets/registry_tokens"
             assert service.secrets == ["registry_tokens"]
@@ -297,11 +302,14 @@ def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certif
     assert COMPOSE_BIN is not None
     clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     run = subprocess.run(
-        [COMPOSE_BIN, "-f", str(COMPOSE_FILE), "-f", str(TLS_OVERLAY), "--profile", "ha",
-         "config"],
-        env={**clean, **OPERATOR_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [COMPOSE_BIN, "-f", str(COMPOSE_FILE), "-f", str(TLS_OVERLAY), "--profile", "ha", "config"],
+        env={**clean, **OPERATOR_ENV},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=False,
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr
     config = yaml.safe_load(run.stdout)
     ca = trustme.CA()
@@ -347,8 +355,12 @@ def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certif
         service = config["services"][name]
         env = service["environment"]
         assert env["WORKERS_REGISTRY_URL"].startswith("https://registry:"), name
-        files = {k: str(local(service, env[k])) for k in env if k.startswith("WORKERS_REGISTRY_")
-                 and k.removeprefix("WORKERS_REGISTRY_") in ("CA", "CERT", "KEY")}  # fmt: skip
+        files = {
+            k: str(local(service, env[k]))
+            for k in env
+            if k.startswith("WORKERS_REGISTRY_")
+            and k.removeprefix("WORKERS_REGISTRY_") in ("CA", "CERT", "KEY")
+        }
         assert len(files) == 3, name
         ClientTLS.from_env(None, files).context  # noqa: B018  loads all three
 
@@ -369,8 +381,14 @@ def test_the_prefill_health_check_asks_an_https_registry_with_the_workers_certif
     server.private_key_pem.write_to_path(str(files["key"]))
     client.cert_chain_pems[0].write_to_path(str(files["client.crt"]))
     client.private_key_pem.write_to_path(str(files["client.key"]))
-    tls = TlsFiles(files["crt"], files["key"], files["ca"], files["ca"],
-                   files["client.crt"], files["client.key"])  # fmt: skip
+    tls = TlsFiles(
+        files["crt"],
+        files["key"],
+        files["ca"],
+        files["ca"],
+        files["client.crt"],
+        files["client.key"],
+    )
     check = load_services(OPERATOR_ENV)["prefill-node0"].healthcheck
     assert check is not None
     argv = [sys.executable, *check[1:]]
@@ -389,13 +407,23 @@ def test_the_prefill_health_check_asks_an_https_registry_with_the_workers_certif
                 "/tp-groups/prefill-0/engine",
                 json={"launch_id": "l-1", "tp_size": 1, "role": "prefill"},
             ).json()
-            kv = {"mem_type": "DRAM", "device_id": 0, "base_addrs": [1], "num_blocks": 1,
-                  "block_len": 1}  # fmt: skip
+            kv = {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [1],
+                "num_blocks": 1,
+                "block_len": 1,
+            }
             registered = api.put(
                 "/tp-groups/prefill-0/engine/agents/0",
-                json={"engine_id": engine["engine_id"], "agent_name": "rank-0",
-                      "agent_metadata": "bml4bA==", "host": "10.0.0.5", "kv": kv},
-            )  # fmt: skip
+                json={
+                    "engine_id": engine["engine_id"],
+                    "agent_name": "rank-0",
+                    "agent_metadata": "bml4bA==",
+                    "host": "10.0.0.5",
+                    "kv": kv,
+                },
+            )
             assert registered.status_code == 201, registered.text
         ready = subprocess.run(argv, env=env, capture_output=True, timeout=20, check=False)
         assert ready.returncode == 0, ready.stderr

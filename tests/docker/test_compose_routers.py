@@ -19,8 +19,9 @@ def test_the_routers_profile_parses() -> None:
 
 
 def test_router_sync_follows_the_registry_service_with_the_reader_token() -> None:
-    services = load_services({**OPERATOR_ENV, "READER_TOKEN": "reader-token-0123456789"},
-                             profiles=["routers"])  # fmt: skip
+    services = load_services(
+        {**OPERATOR_ENV, "READER_TOKEN": "reader-token-0123456789"}, profiles=["routers"]
+    )
     sync = services["router-sync"]
     assert sync.command[:2] == ["engine-registry", "router-sync"], sync.command
     args = build_parser().parse_args(sync.command[1:])

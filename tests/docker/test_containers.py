@@ -100,19 +100,28 @@ def test_the_images_hold_the_pinned_torch_build_or_none(built: Built) -> None:
     assert "No module named 'torch'" in service.stderr, service  # and the service starts
     # The build's own check, run against the built torch: another build than asked fails.
     check = [
-        "-v", f"{ROOT / 'pyproject.toml'}:/src/pyproject.toml:ro",
-        "-v", f"{DOCKER / 'install.sh'}:/install.sh:ro",
-        "-e", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128",
-    ]  # fmt: skip
+        "-v",
+        f"{ROOT / 'pyproject.toml'}:/src/pyproject.toml:ro",
+        "-v",
+        f"{DOCKER / 'install.sh'}:/install.sh:ro",
+        "-e",
+        "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128",
+    ]
     refused = docker_run(
         built, *check, "-e", "TORCH_BUILD=cu128", FULL, "sh", "/install.sh", "check-torch"
     )
     assert refused.returncode != 0, refused
     assert "torch 2.13.0+cpu got installed, but the image pins torch 2.13.0+cu128" in refused.stderr
     full = docker_run(
-        built, *check, "-e", "TORCH_BUILD=cpu", FULL, "sh", "-c",
+        built,
+        *check,
+        "-e",
+        "TORCH_BUILD=cpu",
+        FULL,
+        "sh",
+        "-c",
         "sh /install.sh check-torch && python -c 'import nixl, torch; print(torch.__version__)'",
-    )  # fmt: skip
+    )
     assert full.returncode == 0, full.stderr
     assert full.stdout.split() == ["torch", "2.13.0+cpu:", "the", "pinned", "build", "2.13.0+cpu"]
 

@@ -307,9 +307,17 @@ def test_compose_deployment_runs_across_namespaces_and_every_rank_is_reachable(
             probe = net.add_host("probe")
             net.write_hosts()
             run_deployment(
-                net, tmp_path, services, tokens, hosts, decodes, loopback, probe,
-                prefill_group=prefill_group, port=registry_port,
-            )  # fmt: skip
+                net,
+                tmp_path,
+                services,
+                tokens,
+                hosts,
+                decodes,
+                loopback,
+                probe,
+                prefill_group=prefill_group,
+                port=registry_port,
+            )
         finally:
             net.close()
             assert net.leftovers() == []
@@ -359,9 +367,12 @@ def run_deployment(
         )
         engine = http(
             probe,
-            {"method": "GET", "url": f"{url}/tp-groups/{prefill_group}/engine",
-             "token": tokens["reader"]},
-        )[0]  # fmt: skip
+            {
+                "method": "GET",
+                "url": f"{url}/tp-groups/{prefill_group}/engine",
+                "token": tokens["reader"],
+            },
+        )[0]
         assert engine["status"] == 200, engine
         assert engine["json"]["ready"], engine
         prefill = engine["json"]
@@ -396,9 +407,12 @@ def run_deployment(
             assert "Traceback" not in proc.log(), proc.tail()
         after = http(
             probe,
-            {"method": "GET", "url": f"{url}/tp-groups/{prefill_group}/engine",
-             "token": tokens["reader"]},
-        )[0]  # fmt: skip
+            {
+                "method": "GET",
+                "url": f"{url}/tp-groups/{prefill_group}/engine",
+                "token": tokens["reader"],
+            },
+        )[0]
         assert after["json"]["registered_ranks"] == [], after  # deregistered, not expired
     registry_proc = deploy.procs[0]
     assert registry_proc.poll() is None, registry_proc.tail()
@@ -464,9 +478,13 @@ def check_registry_refuses_unreachable_hosts(
     group = "reachability-check"
     opened = http(
         probe,
-        {"method": "PUT", "url": f"{url}/tp-groups/{group}/engine", "token": tokens["worker"],
-         "body": {"launch_id": "probe", "tp_size": 1, "role": "prefill"}},
-    )[0]  # fmt: skip
+        {
+            "method": "PUT",
+            "url": f"{url}/tp-groups/{group}/engine",
+            "token": tokens["worker"],
+            "body": {"launch_id": "probe", "tp_size": 1, "role": "prefill"},
+        },
+    )[0]
     assert opened["status"] == 201, opened
     engine_id = opened["json"]["engine_id"]
 
@@ -476,11 +494,19 @@ def check_registry_refuses_unreachable_hosts(
             "url": f"{url}/tp-groups/{group}/engine/agents/0",
             "token": tokens["worker"],
             "body": {
-                "engine_id": engine_id, "agent_name": "probe", "agent_metadata": "aGVsbG8=",
-                "host": host, "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096],
-                                     "num_blocks": 1, "block_len": 64},
+                "engine_id": engine_id,
+                "agent_name": "probe",
+                "agent_metadata": "aGVsbG8=",
+                "host": host,
+                "kv": {
+                    "mem_type": "DRAM",
+                    "device_id": 0,
+                    "base_addrs": [4096],
+                    "num_blocks": 1,
+                    "block_len": 64,
+                },
             },
-        }  # fmt: skip
+        }
 
     unspecified, unspecified6, loop, own = http(
         probe, agent("0.0.0.0"), agent("::"), agent("127.0.0.1"), agent(probe.address)
@@ -575,9 +601,11 @@ def run_ha(
     )
     seen = http(
         probe,
-        *({"method": "GET", "url": f"{u}/tp-groups/{group}/engine", "token": tokens["reader"]}
-          for u in replicas.values()),
-    )  # fmt: skip
+        *(
+            {"method": "GET", "url": f"{u}/tp-groups/{group}/engine", "token": tokens["reader"]}
+            for u in replicas.values()
+        ),
+    )
     assert [a["status"] for a in seen] == [200, 200], seen
     assert seen[0]["json"]["engine_id"] == seen[1]["json"]["engine_id"]  # one truth
     assert seen[1]["json"]["ready"], seen[1]
@@ -602,9 +630,12 @@ def run_ha(
         assert "INFO shut down" in proc.log(), proc.tail()
     after = http(
         probe,
-        {"method": "GET", "url": f"{replicas['registry-2']}/tp-groups/{group}/engine",
-         "token": tokens["reader"]},
-    )[0]  # fmt: skip
+        {
+            "method": "GET",
+            "url": f"{replicas['registry-2']}/tp-groups/{group}/engine",
+            "token": tokens["reader"],
+        },
+    )[0]
     assert after["json"]["engine_id"] == engine_id
     assert after["json"]["registered_ranks"] == [], after  # deregistered through registry-2
     assert registry["registry-2"].poll() is None, registry["registry-2"].tail()

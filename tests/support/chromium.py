@@ -46,11 +46,19 @@ class Chromium:
         assert CHROMIUM is not None
         self.profile.mkdir(parents=True, exist_ok=True)
         cmd = [
-            CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-            "--disable-extensions", "--disable-background-networking", "--mute-audio",
-            "--window-size=1400,900", f"--user-data-dir={self.profile}",
-            "--remote-debugging-port=0", "about:blank",
-        ]  # fmt: skip
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            "--mute-audio",
+            "--window-size=1400,900",
+            f"--user-data-dir={self.profile}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ]
         log = open(self.profile / "chromium.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
         log.close()

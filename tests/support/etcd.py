@@ -84,21 +84,47 @@ class EtcdMember:
     def start(self) -> None:
         # Short raft timings: loopback is fast, and elections bound the recovery we measure.
         cmd = [
-            ETCD_BIN, "--name", self.name, "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", self.initial_cluster, "--initial-cluster-state", "new",
-            "--initial-cluster-token", self.cluster_token,
-            "--heartbeat-interval", "100", "--election-timeout", "1000",
-            "--logger", "zap", "--log-level", "warn", "--enable-pprof=false",
-        ]  # fmt: skip
+            ETCD_BIN,
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            self.initial_cluster,
+            "--initial-cluster-state",
+            "new",
+            "--initial-cluster-token",
+            self.cluster_token,
+            "--heartbeat-interval",
+            "100",
+            "--election-timeout",
+            "1000",
+            "--logger",
+            "zap",
+            "--log-level",
+            "warn",
+            "--enable-pprof=false",
+        ]
         if self.max_request_bytes is not None:  # None: etcd's own default, 1.5 MiB
             cmd += ["--max-request-bytes", str(self.max_request_bytes)]
         if self.tls is not None:
             cmd += [
-                "--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
-                "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth",
-            ]  # fmt: skip
+                "--cert-file",
+                str(self.tls.server_cert),
+                "--key-file",
+                str(self.tls.server_key),
+                "--trusted-ca-file",
+                str(self.tls.ca),
+                "--client-cert-auth",
+            ]
         if self.auth_token_ttl_s is not None:  # simple tokens unused this long expire
             cmd += ["--auth-token-ttl", str(self.auth_token_ttl_s)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
@@ -194,9 +220,12 @@ class EtcdCluster:
         cmd += self.tls.etcdctl_flags() if self.tls else []
         cmd += ["--user", user] if user else []
         done = subprocess.run(
-            [*cmd, *args], capture_output=True, text=True, timeout=15,
+            [*cmd, *args],
+            capture_output=True,
+            text=True,
+            timeout=15,
             env={**os.environ, "ETCDCTL_API": "3"},
-        )  # fmt: skip
+        )
         if done.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)} failed: {done.stderr.strip()}")
         return done.stdout

@@ -53,10 +53,15 @@ def agent_body(engine_id: str, rank: int, ttl_s: int = 30) -> dict[str, Any]:
         "agent_name": f"{engine_id}-rank{rank}",
         "agent_metadata": base64.b64encode(f"nixl-md-{rank}".encode()).decode(),
         "host": "127.0.0.1",
-        "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096], "num_blocks": 8,
-               "block_len": 4096},
+        "kv": {
+            "mem_type": "DRAM",
+            "device_id": 0,
+            "base_addrs": [4096],
+            "num_blocks": 8,
+            "block_len": 4096,
+        },
         "ttl_s": ttl_s,
-    }  # fmt: skip
+    }
 
 
 @dataclass

@@ -211,10 +211,23 @@ class Host:
     ) -> Proc:
         """Start `argv` like a container's command: own PID/UTS/IPC namespaces, hostname set."""
         wrapper = [
-            IP, "netns", "exec", self.ns,
-            UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc", "--uts", "--ipc",
-            "/bin/sh", "-c", 'hostname "$0" && exec "$@"', self.hostname, *argv,
-        ]  # fmt: skip
+            IP,
+            "netns",
+            "exec",
+            self.ns,
+            UNSHARE,
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "--uts",
+            "--ipc",
+            "/bin/sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.hostname,
+            *argv,
+        ]
         log = open(log_path, "ab")  # noqa: SIM115 (closed by Proc)
         popen = subprocess.Popen(
             wrapper,

@@ -39,9 +39,13 @@ class StandIn:
             self.completions.append(body)
             self.stamps.append(time.monotonic())
             if self.kind == "prefill":
-                params = {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
-                          "remote_block_ids": [0], "remote_host": "127.0.0.1",
-                          "remote_port": 5600}  # fmt: skip
+                params = {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": self.engine_id,
+                    "remote_block_ids": [0],
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 5600,
+                }
                 return web.json_response(
                     {"id": "p", "choices": [{"text": "", "index": 0}], "kv_transfer_params": params}
                 )

@@ -18,9 +18,15 @@ COMPAT: Compat = {"model": "m", "block_size": 4, "dtype": "float16"}
 
 def register(client: RegistryClient, group: str, rank: int, engine_id: str) -> bool:
     _, created = client.register_agent(
-        group, rank, engine_id=engine_id, agent_name=f"{engine_id}-rank{rank}",
-        agent_metadata=b"md%d" % rank, host="127.0.0.1", kv=KV, ttl_s=30,
-    )  # fmt: skip
+        group,
+        rank,
+        engine_id=engine_id,
+        agent_name=f"{engine_id}-rank{rank}",
+        agent_metadata=b"md%d" % rank,
+        host="127.0.0.1",
+        kv=KV,
+        ttl_s=30,
+    )
     return created
 
 

@@ -53,18 +53,33 @@ def make_client(
 
 
 def problem(status: int, code: str, **extra: object) -> httpx.Response:
-    body = {"type": "about:blank", "title": code, "status": status, "detail": f"d-{code}",
-            "code": code, **extra}  # fmt: skip
+    body = {
+        "type": "about:blank",
+        "title": code,
+        "status": status,
+        "detail": f"d-{code}",
+        "code": code,
+        **extra,
+    }
     return httpx.Response(
         status, content=json.dumps(body), headers={"content-type": "application/problem+json"}
     )
 
 
 ENGINE = {
-    "group_id": "g", "engine_id": "e1", "generation": 1, "launch_id": "l", "tp_size": 2,
-    "role": "prefill", "compat": {}, "created_at": "t", "ready": False,
-    "registered_ranks": [], "missing_ranks": [0, 1], "agents": [],
-}  # fmt: skip
+    "group_id": "g",
+    "engine_id": "e1",
+    "generation": 1,
+    "launch_id": "l",
+    "tp_size": 2,
+    "role": "prefill",
+    "compat": {},
+    "created_at": "t",
+    "ready": False,
+    "registered_ranks": [],
+    "missing_ranks": [0, 1],
+    "agents": [],
+}
 
 
 @pytest.mark.parametrize(
@@ -102,13 +117,20 @@ def test_each_problem_code_becomes_its_own_exception_and_is_never_retried(
 
 
 def test_problem_members_are_exposed_as_typed_attributes() -> None:
-    answers = iter([
-        problem(409, "engine_id_mismatch", cause="other_group", expected_engine_id="a",
-                got_engine_id="b"),
-        problem(410, "engine_superseded", current_engine_id="e2", current_generation=2),
-        problem(409, "incompatible", mismatches=[{"field": "dtype", "remote": 1, "local": 2}]),
-        problem(409, "launch_superseded", current_generation=7),
-    ])  # fmt: skip
+    answers = iter(
+        [
+            problem(
+                409,
+                "engine_id_mismatch",
+                cause="other_group",
+                expected_engine_id="a",
+                got_engine_id="b",
+            ),
+            problem(410, "engine_superseded", current_engine_id="e2", current_generation=2),
+            problem(409, "incompatible", mismatches=[{"field": "dtype", "remote": 1, "local": 2}]),
+            problem(409, "launch_superseded", current_generation=7),
+        ]
+    )
     client, _ = make_client(lambda r: next(answers))
     with pytest.raises(errors.EngineIdMismatch) as mismatch:
         client.heartbeat("g", 0, engine_id="b")
@@ -133,8 +155,13 @@ def test_an_answer_without_a_code_is_classified_by_its_status() -> None:
 
 
 def test_503_is_retried_with_growing_backoff_until_it_succeeds() -> None:
-    answers = iter([problem(503, "store_unavailable"), problem(503, "store_unavailable"),
-                    httpx.Response(200, json=ENGINE)])  # fmt: skip
+    answers = iter(
+        [
+            problem(503, "store_unavailable"),
+            problem(503, "store_unavailable"),
+            httpx.Response(200, json=ENGINE),
+        ]
+    )
     client, fake = make_client(lambda r: next(answers))
     engine = client.get_engine("g")
     assert engine.engine_id == "e1"
@@ -241,16 +268,29 @@ def test_register_agent_sends_the_metadata_blob_as_base64_and_reports_creation()
 
     def handler(request: httpx.Request) -> httpx.Response:
         bodies.append(json.loads(request.content))
-        answer = {"engine_id": "e1", "agent_name": "a0", "host": "10.0.0.1", "generation": 1,
-                  "registered_at": "t", "expires_at": "t2", "kv": {}}  # fmt: skip
+        answer = {
+            "engine_id": "e1",
+            "agent_name": "a0",
+            "host": "10.0.0.1",
+            "generation": 1,
+            "registered_at": "t",
+            "expires_at": "t2",
+            "kv": {},
+        }
         return httpx.Response(201 if len(bodies) == 1 else 200, json=answer)
 
     client, _ = make_client(handler)
     kv = KvSpec("DRAM", 0, [4096], 8, 512, 2)
     record, created = client.register_agent(
-        "g", 0, engine_id="e1", agent_name="a0", agent_metadata=b"\x00\xffmd", host="10.0.0.1",
-        kv=kv, ttl_s=10,
-    )  # fmt: skip
+        "g",
+        0,
+        engine_id="e1",
+        agent_name="a0",
+        agent_metadata=b"\x00\xffmd",
+        host="10.0.0.1",
+        kv=kv,
+        ttl_s=10,
+    )
     assert created
     assert record.expires_at == "t2"
     assert base64.b64decode(str(bodies[0]["agent_metadata"])) == b"\x00\xffmd"

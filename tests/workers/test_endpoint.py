@@ -45,10 +45,16 @@ def test_a_decode_agent_reads_verifies_and_notifies_a_prefill_agent_over_nixl() 
         target = Target(0, prefill.name, prefill.metadata(), "127.0.0.1", kv_spec(cache, 2))
         assert decode.add_remote(target) == prefill.name
         (op,) = plan_reads(
-            LAYOUT, local_tp=2, local_rank=1, local=kv_spec(buffer, 1), remote_tp=1,
-            tp_ratio=2, targets={0: target.kv}, local_block_ids=[0, 1],
+            LAYOUT,
+            local_tp=2,
+            local_rank=1,
+            local=kv_spec(buffer, 1),
+            remote_tp=1,
+            tp_ratio=2,
+            targets={0: target.kv},
+            local_block_ids=[0, 1],
             remote_block_ids=[3, 1],
-        )  # fmt: skip
+        )
         decode.read(
             [RemoteRead(prefill.name, op.local, op.remote, "DRAM")],
             local_mem_type="DRAM",

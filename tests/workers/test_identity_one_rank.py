@@ -28,10 +28,18 @@ Handler = Callable[[httpx.Request], httpx.Response]
 
 def engine(engine_id: str = "e1", group_id: str = "g", generation: int = 1) -> dict[str, object]:
     return {
-        "group_id": group_id, "engine_id": engine_id, "generation": generation,
-        "launch_id": "l", "tp_size": 1, "role": "prefill", "compat": {}, "created_at": "t",
-        "ready": False, "registered_ranks": [], "missing_ranks": [0],
-    }  # fmt: skip
+        "group_id": group_id,
+        "engine_id": engine_id,
+        "generation": generation,
+        "launch_id": "l",
+        "tp_size": 1,
+        "role": "prefill",
+        "compat": {},
+        "created_at": "t",
+        "ready": False,
+        "registered_ranks": [],
+        "missing_ranks": [0],
+    }
 
 
 def problem(status: int, code: str, **extra: object) -> httpx.Response:
@@ -64,8 +72,9 @@ def test_rank_zero_opens_the_engine_with_a_fresh_launch_id_and_returns_its_ident
         bodies.append(json.loads(request.content))
         return httpx.Response(201, json=engine("e7", generation=3))
 
-    got = identity.sync_engine_id(client_for(handler), "g", tp_size=1, role="prefill",
-                                  compat={"model": "m"})  # fmt: skip
+    got = identity.sync_engine_id(
+        client_for(handler), "g", tp_size=1, role="prefill", compat={"model": "m"}
+    )
     assert got == EngineIdentity("g", "e7", 3, "http://registry", got.launch_id, "registry")
     assert bodies[0]["launch_id"] == got.launch_id
     assert len(got.launch_id) == 32
@@ -78,8 +87,7 @@ def test_an_unreachable_registry_fails_the_group_with_that_cause() -> None:
         raise httpx.ConnectError("refused", request=request)
 
     with pytest.raises(EngineIdentityError) as info:
-        identity.sync_engine_id(client_for(handler), "g", tp_size=1, role="prefill",
-                                timeout_s=0.3)  # fmt: skip
+        identity.sync_engine_id(client_for(handler), "g", tp_size=1, role="prefill", timeout_s=0.3)
     assert info.value.causes == {0: identity.REGISTRY_UNREACHABLE}
 
 
@@ -91,8 +99,9 @@ def test_the_fallback_takes_rank_zeros_own_id_and_says_so_loudly(
         raise httpx.ConnectError("refused", request=request)
 
     with caplog.at_level(logging.WARNING, logger="workers.identity"):
-        got = identity.sync_engine_id(client_for(handler), "g", tp_size=1, role="prefill",
-                                      allow_fallback=True, timeout_s=0.3)  # fmt: skip
+        got = identity.sync_engine_id(
+            client_for(handler), "g", tp_size=1, role="prefill", allow_fallback=True, timeout_s=0.3
+        )
     assert got.source == "fallback"
     assert got.generation == 0
     assert "REGISTRY UNREACHABLE" in caplog.text
@@ -120,8 +129,9 @@ def test_a_refused_token_fails_the_group_naming_the_token(status: int, code: str
 @pytest.mark.usefixtures("one_rank_world")
 def test_a_tp_size_other_than_the_groups_is_refused_before_anything_is_opened() -> None:
     with pytest.raises(ValueError, match="tp_size"):
-        identity.sync_engine_id(client_for(lambda r: httpx.Response(500)), "g", tp_size=2,
-                                role="prefill")  # fmt: skip
+        identity.sync_engine_id(
+            client_for(lambda r: httpx.Response(500)), "g", tp_size=2, role="prefill"
+        )
 
 
 @pytest.mark.usefixtures("one_rank_world")
@@ -135,9 +145,12 @@ def test_the_vllm_drop_in_sets_kv_transfer_config_engine_id() -> None:
 def test_the_vllm_drop_in_refuses_a_config_without_kv_transfer_config() -> None:
     with pytest.raises(ValueError, match="kv_transfer_config"):
         identity.sync_kv_transfer_engine_id(
-            SimpleNamespace(), client_for(lambda r: httpx.Response(500)), "g", tp_size=1,
+            SimpleNamespace(),
+            client_for(lambda r: httpx.Response(500)),
+            "g",
+            tp_size=1,
             role="prefill",
-        )  # fmt: skip
+        )
 
 
 ANNOUNCED = EngineIdentity("g", "e1", 1, "http://rank0-registry", "l", "registry")
@@ -156,21 +169,26 @@ def test_a_rank_that_fetches_the_same_engine_agrees() -> None:
 
 
 def test_a_rank_whose_registry_never_issued_the_id_blames_a_different_registry() -> None:
-    verdict = diagnose({
-        "/tp-groups/g/engine": httpx.Response(200, json=engine("other")),
-        "/engines/e1": problem(404, "not_found"),
-    })  # fmt: skip
+    verdict = diagnose(
+        {
+            "/tp-groups/g/engine": httpx.Response(200, json=engine("other")),
+            "/engines/e1": problem(404, "not_found"),
+        }
+    )
     assert (verdict.ok, verdict.cause) == (False, identity.DIFFERENT_REGISTRY)
     assert "http://rank0-registry" in verdict.detail
     assert "http://registry" in verdict.detail
 
 
 def test_a_rank_that_sees_a_newer_generation_blames_a_superseding_launch() -> None:
-    verdict = diagnose({
-        "/tp-groups/g/engine": httpx.Response(200, json=engine("e2", generation=2)),
-        "/engines/e1": problem(410, "engine_superseded", current_engine_id="e2",
-                               current_generation=2),
-    })  # fmt: skip
+    verdict = diagnose(
+        {
+            "/tp-groups/g/engine": httpx.Response(200, json=engine("e2", generation=2)),
+            "/engines/e1": problem(
+                410, "engine_superseded", current_engine_id="e2", current_generation=2
+            ),
+        }
+    )
     assert verdict.cause == identity.SUPERSEDED
     assert "e2 (generation 2)" in verdict.detail
 

@@ -37,9 +37,14 @@ def run_failing_prefill(
 ) -> list[dict[str, Any]]:
     """A prefill group of two ranks on two nodes that must fail; every rank's report."""
     prefill = start_group(
-        "prefill", tmp_path, group_id=group_id, registry=registry, tp=2, nodes=2,
+        "prefill",
+        tmp_path,
+        group_id=group_id,
+        registry=registry,
+        tp=2,
+        nodes=2,
         args=[*PREFILL_ARGS, *args],
-    )  # fmt: skip
+    )
     with launched(prefill):
         codes = wait_all(prefill, 90)
     assert all(code != 0 for code in codes), logs(prefill)
@@ -112,9 +117,14 @@ def test_a_group_on_two_nodes_agrees_on_the_registry_issued_engine_id(
     tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=2, nodes=2,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=registry_url,
+        tp=2,
+        nodes=2,
         args=["--serve-s", "60"],
-    )  # fmt: skip
+    )
     with launched(prefill), httpx.Client(base_url=registry_url, timeout=70) as http:
         engine = wait_until_ready(http, "pf", prefill)
         assert engine["registered_ranks"] == [0, 1]
@@ -127,9 +137,13 @@ def test_a_serving_prefill_superseded_by_a_newer_launch_stops_loudly_on_its_next
     tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=registry_url,
+        tp=1,
         args=["--serve-s", "60", "--ttl-s", "5"],
-    )  # fmt: skip
+    )
     with launched(prefill), httpx.Client(base_url=registry_url, timeout=70) as http:
         old = wait_until_ready(http, "pf", prefill)["engine_id"]
         newer = http.put(
@@ -150,9 +164,14 @@ def test_with_fallback_allowed_an_unreachable_registry_leaves_every_node_on_rank
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=dead, tp=2, nodes=2,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=dead,
+        tp=2,
+        nodes=2,
         args=["--allow-fallback", "--timeout-s", "1", "--serve-s", "1"],
-    )  # fmt: skip
+    )
     with launched(prefill):
         assert wait_all(prefill, 90) == [0, 0], logs(prefill)
 
@@ -167,9 +186,13 @@ def test_a_serving_rank_whose_agent_vanished_registers_again_on_its_next_heartbe
     tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=registry_url,
+        tp=1,
         args=["--serve-s", "60", "--ttl-s", "5"],
-    )  # fmt: skip
+    )
     with launched(prefill), httpx.Client(base_url=registry_url, timeout=70) as http:
         engine_id = wait_until_ready(http, "pf", prefill)["engine_id"]
         gone = http.delete("/tp-groups/pf/engine/agents/0", params={"engine_id": engine_id})

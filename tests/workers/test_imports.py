@@ -59,7 +59,11 @@ def test_the_torch_free_parts_import_neither_torch_nixl_nor_numpy() -> None:
         "print(sorted({'torch', 'nixl', 'numpy'} & set(sys.modules)))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
         check=True,
-    )  # fmt: skip
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -133,10 +133,16 @@ def test_the_plan_refuses_targets_other_than_the_conventions_ranks() -> None:
     buffer = LAYOUT.allocate(1, len(REMOTE_BLOCKS))
     with pytest.raises(ValueError, match="expected ranks"):
         plan_reads(
-            LAYOUT, local_tp=1, local_rank=0, local=kv_spec(buffer, 4), remote_tp=2,
-            tp_ratio=-2, targets={0: kv_spec(caches[0], 2)},
-            local_block_ids=[0, 1, 2], remote_block_ids=REMOTE_BLOCKS,
-        )  # fmt: skip
+            LAYOUT,
+            local_tp=1,
+            local_rank=0,
+            local=kv_spec(buffer, 4),
+            remote_tp=2,
+            tp_ratio=-2,
+            targets={0: kv_spec(caches[0], 2)},
+            local_block_ids=[0, 1, 2],
+            remote_block_ids=REMOTE_BLOCKS,
+        )
 
 
 def test_the_plan_refuses_a_remote_whose_kv_layout_differs() -> None:
@@ -145,10 +151,16 @@ def test_the_plan_refuses_a_remote_whose_kv_layout_differs() -> None:
     buffer = LAYOUT.allocate(1, len(REMOTE_BLOCKS))
     with pytest.raises(ValueError, match="KV layouts differ"):
         plan_reads(
-            LAYOUT, local_tp=1, local_rank=0, local=kv_spec(buffer, 4), remote_tp=1,
-            tp_ratio=1, targets={0: kv_spec(remote, 4)},
-            local_block_ids=[0, 1, 2], remote_block_ids=REMOTE_BLOCKS,
-        )  # fmt: skip
+            LAYOUT,
+            local_tp=1,
+            local_rank=0,
+            local=kv_spec(buffer, 4),
+            remote_tp=1,
+            tp_ratio=1,
+            targets={0: kv_spec(remote, 4)},
+            local_block_ids=[0, 1, 2],
+            remote_block_ids=REMOTE_BLOCKS,
+        )
 
 
 def test_heads_that_do_not_split_over_the_tp_size_are_refused() -> None:

@@ -27,8 +27,12 @@ BATCH_PUT = ("PUT", "/tp-groups/{group_id}/engine/agents")
 BATCH_HEARTBEAT = ("POST", "/tp-groups/{group_id}/engine/agents/heartbeat")
 RANK_PUT = ("PUT", "/tp-groups/{group_id}/engine/agents/{rank}")
 RANK_HEARTBEAT = ("POST", "/tp-groups/{group_id}/engine/agents/{rank}/heartbeat")
-ROUTES = {BATCH_PUT: "batch PUT", BATCH_HEARTBEAT: "batch heartbeat",
-          RANK_PUT: "per-rank PUT", RANK_HEARTBEAT: "per-rank heartbeat"}  # fmt: skip
+ROUTES = {
+    BATCH_PUT: "batch PUT",
+    BATCH_HEARTBEAT: "batch heartbeat",
+    RANK_PUT: "per-rank PUT",
+    RANK_HEARTBEAT: "per-rank heartbeat",
+}
 KV = KvSpec("DRAM", 0, [1 << 20], 4, 512, 4)
 
 
@@ -63,9 +67,14 @@ def serve_and_count(
     """A prefill group of 4 ranks on 2 nodes: requests to get registered, then in a window."""
     before = requests_by_route(url)
     prefill = start_group(
-        "prefill", tmp_path, group_id=group_id, registry=url, tp=4, nodes=2,
+        "prefill",
+        tmp_path,
+        group_id=group_id,
+        registry=url,
+        tp=4,
+        nodes=2,
         args=["--publish", mode, "--ttl-s", "5", "--serve-s", "90"],
-    )  # fmt: skip
+    )
     with launched(prefill):
         wait_ready(url, group_id, prefill, [0, 1, 2, 3])
         registered = requests_by_route(url)
@@ -104,9 +113,13 @@ def test_a_superseded_node_leader_stops_its_followers_too(
     tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=2,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=registry_url,
+        tp=2,
         args=["--ttl-s", "5", "--serve-s", "60"],
-    )  # fmt: skip
+    )
     with launched(prefill), httpx.Client(base_url=registry_url, timeout=20) as http:
         wait_ready(registry_url, "pf", prefill, [0, 1])
         newer = http.put(
@@ -127,9 +140,15 @@ def test_a_node_whose_ranks_cannot_publish_fails_the_whole_group_and_nothing_sta
     tmp_path: Path, registry_url: str
 ) -> None:
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=4, nodes=2,
-        args=["--serve-s", "30"], env=[{}, {"WORKERS_ADVERTISE_HOST": "0.0.0.0"}],
-    )  # fmt: skip
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=registry_url,
+        tp=4,
+        nodes=2,
+        args=["--serve-s", "30"],
+        env=[{}, {"WORKERS_ADVERTISE_HOST": "0.0.0.0"}],
+    )
     with launched(prefill):
         codes = wait_all(prefill, 120)
     assert all(code != 0 for code in codes), logs(prefill)
@@ -153,9 +172,13 @@ def test_a_batch_publication_renews_registers_again_after_404_and_stops_on_409(
         items = [AgentItem(r, engine.engine_id, f"a{r}", b"md", "127.0.0.1", KV) for r in (2, 0)]
         superseded: list[str] = []
         publication = BatchPublication(
-            lambda: RegistryClient(registry_url, timeout_s=5), identity, items, ttl_s=5,
-            fraction=0.05, on_superseded=lambda exc: superseded.append(exc.cause),
-        )  # fmt: skip
+            lambda: RegistryClient(registry_url, timeout_s=5),
+            identity,
+            items,
+            ttl_s=5,
+            fraction=0.05,
+            on_superseded=lambda exc: superseded.append(exc.cause),
+        )
         try:
             assert publication.publish()
             assert publication.ranks == [0, 2]

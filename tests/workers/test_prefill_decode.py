@@ -30,13 +30,22 @@ def run_pd(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     readers = max(1, decode_tp // prefill_tp) * rounds
     prefill = start_group(
-        "prefill", tmp_path, group_id="pf", registry=url, tp=prefill_tp, nodes=prefill_nodes,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=url,
+        tp=prefill_tp,
+        nodes=prefill_nodes,
         args=["--exit-after-notifs", str(readers), "--serve-s", "90"],
-    )  # fmt: skip
+    )
     decode = start_group(
-        "decode", tmp_path, group_id="dc", registry=url, tp=decode_tp,
+        "decode",
+        tmp_path,
+        group_id="dc",
+        registry=url,
+        tp=decode_tp,
         args=["--prefill-group", "pf", "--rounds", str(rounds), "--deadline-s", "90"],
-    )  # fmt: skip
+    )
     with launched(prefill, decode) as everything:
         codes = wait_all(everything, 120)
         assert codes == [0] * len(everything), logs(everything)
@@ -96,14 +105,34 @@ def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_th
     tmp_path: Path, registry_url: str
 ) -> None:
     first = start_group(
-        "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
+        "prefill",
+        tmp_path,
+        group_id="pf",
+        registry=registry_url,
+        tp=1,
         args=["--serve-s", "90"],
-    )  # fmt: skip
+    )
     decode = start_group(
-        "decode", tmp_path, group_id="dc", registry=registry_url, tp=1,
-        args=["--prefill-group", "pf", "--rounds", "2", "--until-engines", "2",
-              "--round-interval-s", "0.3", "--deadline-s", "90", "--handshake-timeout-s", "30"],
-    )  # fmt: skip
+        "decode",
+        tmp_path,
+        group_id="dc",
+        registry=registry_url,
+        tp=1,
+        args=[
+            "--prefill-group",
+            "pf",
+            "--rounds",
+            "2",
+            "--until-engines",
+            "2",
+            "--round-interval-s",
+            "0.3",
+            "--deadline-s",
+            "90",
+            "--handshake-timeout-s",
+            "30",
+        ],
+    )
     with launched(first, decode):
         wait_for_report(tmp_path, "decode", "dc", lambda r: r[0].get("rounds"), timeout_s=60)
         old_engine = read_reports(tmp_path, "prefill", "pf")[0]["engine_id"]
@@ -117,9 +146,13 @@ def test_a_running_decode_follows_a_prefill_relaunch_through_410_and_verifies_th
         assert engine["registered_ranks"] == [], "a clean SIGTERM shutdown deregisters"
 
         second = start_group(
-            "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1,
+            "prefill",
+            tmp_path,
+            group_id="pf",
+            registry=registry_url,
+            tp=1,
             args=["--serve-s", "90"],
-        )  # fmt: skip
+        )
         with launched(second):
             assert wait_all(decode, 90) == [0], logs(decode + second)
             new = read_reports(tmp_path, "prefill", "pf")[0]
@@ -146,9 +179,13 @@ def test_a_decode_whose_kv_layout_differs_is_refused_at_the_handshake_and_reads_
         "prefill", tmp_path, group_id="pf", registry=registry_url, tp=1, args=["--serve-s", "60"]
     )
     decode = start_group(
-        "decode", tmp_path, group_id="dc", registry=registry_url, tp=1,
+        "decode",
+        tmp_path,
+        group_id="dc",
+        registry=registry_url,
+        tp=1,
         args=["--prefill-group", "pf", "--block-size", "8", "--deadline-s", "60"],
-    )  # fmt: skip
+    )
     with launched(prefill, decode):
         assert wait_all(decode, 90) != [0]
     (report,) = read_reports(tmp_path, "decode", "dc")

@@ -47,10 +47,18 @@ def open_engine(client: RegistryClient, launch_id: str) -> EngineIdentity:
 
 def publication(url: str, identity: EngineIdentity, clock: FakeClock, **kw: object) -> Publication:
     return Publication(
-        lambda: RegistryClient(url, timeout_s=5.0), identity, 0, agent_name="agent-0",
-        metadata=b"md", host="127.0.0.1", kv=KvSpec("DRAM", 0, [4096], 1, 1), ttl_s=30,
-        fraction=0.005, wait=clock.wait, **kw,  # type: ignore[arg-type]
-    )  # fmt: skip
+        lambda: RegistryClient(url, timeout_s=5.0),
+        identity,
+        0,
+        agent_name="agent-0",
+        metadata=b"md",
+        host="127.0.0.1",
+        kv=KvSpec("DRAM", 0, [4096], 1, 1),
+        ttl_s=30,
+        fraction=0.005,
+        wait=clock.wait,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 def test_renews_every_interval_registers_again_after_404_retries_and_stops_on_409(
@@ -71,7 +79,7 @@ def test_renews_every_interval_registers_again_after_404_retries_and_stops_on_40
             ttl_s=30,
         ).interval_s
         == 10
-    )  # fmt: skip  (the default cadence: ttl/3)
+    )  #  (the default cadence: ttl/3)
 
     def lease_lost() -> None:  # as after a registry outage longer than the lease
         admin.deregister_agent(GROUP, 0, engine_id=identity.engine_id)

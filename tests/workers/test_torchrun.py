@@ -35,12 +35,19 @@ def launch(tmp_path: Path, mode: str) -> subprocess.Popen[str]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     return subprocess.Popen(
-        [sys.executable, "-m", "workers.torchrun", "--standalone", "--nproc-per-node=1",
-         str(script), mode],
+        [
+            sys.executable,
+            "-m",
+            "workers.torchrun",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(script),
+            mode,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
 
 
 def test_a_stopped_node_exits_0_with_one_line_after_its_ranks(tmp_path: Path) -> None:

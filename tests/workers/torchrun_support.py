@@ -23,9 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # A tiny model: every TP size the tests use (1, 2, 4) divides 4 heads; one block is 512 B.
 SMALL_LAYOUT = [
-    "--num-layers", "1", "--num-blocks", "6", "--block-size", "4",
-    "--num-heads", "4", "--head-size", "16",
-]  # fmt: skip
+    "--num-layers",
+    "1",
+    "--num-blocks",
+    "6",
+    "--block-size",
+    "4",
+    "--num-heads",
+    "4",
+    "--head-size",
+    "16",
+]
 
 
 class Launch(Proc):
@@ -84,12 +92,34 @@ def start_group(
         gid = group_id if isinstance(group_id, str) else group_id[node]
         url = registry if isinstance(registry, str) else registry[node]
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--nproc-per-node", str(tp // nodes), "-m", f"workers.{role}",
-            "--registry", url, "--group-id", gid, "--report-dir", str(report_dir),
-            "--collective-timeout-s", "60", "--timeout-s", "15", *SMALL_LAYOUT, *args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nodes),
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--nproc-per-node",
+            str(tp // nodes),
+            "-m",
+            f"workers.{role}",
+            "--registry",
+            url,
+            "--group-id",
+            gid,
+            "--report-dir",
+            str(report_dir),
+            "--collective-timeout-s",
+            "60",
+            "--timeout-s",
+            "15",
+            *SMALL_LAYOUT,
+            *args,
+        ]
         name = f"{role}-{gid}-node{node}"
         log_path = tmp_path / f"{name}-{time.monotonic_ns()}.log"
         launches.append(Launch(name, cmd, log_path, env[node] if env else None))

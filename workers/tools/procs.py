@@ -54,9 +54,15 @@ class Proc:
     group starved a prefill's in another one (docs/vllm-plugin.md "Starved prefill")."""
 
     def __init__(
-        self, name: str, cmd: Sequence[str], env: Mapping[str, str], log: Path, *,
-        cwd: Path = ROOT, echo: Callable[[str], None] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        name: str,
+        cmd: Sequence[str],
+        env: Mapping[str, str],
+        log: Path,
+        *,
+        cwd: Path = ROOT,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:
         self.name = name
         self.cmd = list(cmd)
         self.log_path = log
@@ -64,14 +70,24 @@ class Proc:
         if echo is None:
             with open(log, "ab") as out:  # the child keeps its own descriptor
                 self.popen = subprocess.Popen(
-                    self.cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, process_group=0,
-                )  # fmt: skip
+                    self.cmd,
+                    cwd=cwd,
+                    env=dict(env),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    process_group=0,
+                )
             return
         self.popen = subprocess.Popen(
-            self.cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, process_group=0,
-        )  # fmt: skip
+            self.cmd,
+            cwd=cwd,
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+        )
         self.pump = threading.Thread(target=self._pump, args=(echo,), daemon=True)
         self.pump.start()
 
@@ -177,9 +193,19 @@ class RegistryProcess:
 
     def command(self) -> list[str]:
         return [
-            *self.prefix, self.python, "-m", "app", "serve",
-            "--host", self.host, "--port", str(self.port), "--store", self.store, *self.args,
-        ]  # fmt: skip
+            *self.prefix,
+            self.python,
+            "-m",
+            "app",
+            "serve",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--store",
+            self.store,
+            *self.args,
+        ]
 
     def start(self, timeout_s: float = 60.0) -> Self:
         """Start it and wait until ``/healthz`` answers 200, at most ``timeout_s``."""
@@ -189,9 +215,14 @@ class RegistryProcess:
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         log = self._log or subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            cmd, cwd=self.cwd, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            cmd,
+            cwd=self.cwd,
+            env=env,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
             start_new_session=self.new_session,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -80,12 +80,28 @@ class VllmRouterProcess(_Process):
         return f"127.0.0.1:{self.discovery_port}"
 
     def start(self, timeout_s: float = 30.0) -> VllmRouterProcess:
-        self._spawn([
-            vllm_router_binary(), "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-            "--vllm-discovery-address", self.discovery, "--host", "127.0.0.1",
-            "--port", str(self.port), "--policy", "round_robin", "--log-level", "info",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-        ])  # fmt: skip
+        self._spawn(
+            [
+                vllm_router_binary(),
+                "--vllm-pd-disaggregation",
+                "--kv-connector",
+                "nixl",
+                "--vllm-discovery-address",
+                self.discovery,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "info",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(self.metrics_port),
+            ]
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
@@ -177,11 +193,17 @@ class RouterSyncProcess(_Process):
     ) -> None:
         super().__init__("router-sync", workdir / "router-sync.log")
         self.cmd = [
-            python or sys.executable, "-m", "app", "router-sync", "--url", registry_url,
-            "--interval", str(interval_s),
+            python or sys.executable,
+            "-m",
+            "app",
+            "router-sync",
+            "--url",
+            registry_url,
+            "--interval",
+            str(interval_s),
             *[arg for address in routers for arg in ("--vllm-router", address)],
             *[arg for smg in smgs for arg in ("--smg", smg.url)],
-        ]  # fmt: skip
+        ]
         self.token = token
         self.env = {"REGISTRY_TOKEN": token} if token else {}
         if smgs:

@@ -57,9 +57,21 @@ from workers.tools.vllm_procs import (
 )
 
 __all__ = [
-    "KV_TRANSFER_CONFIG", "ROLES", "ROOT", "VLLM_VENV", "Instance", "Proc", "Registry",
-    "Tokens", "base_env", "build_model", "free_port", "main", "say", "vllm_python",
-]  # fmt: skip
+    "KV_TRANSFER_CONFIG",
+    "ROLES",
+    "ROOT",
+    "VLLM_VENV",
+    "Instance",
+    "Proc",
+    "Registry",
+    "Tokens",
+    "base_env",
+    "build_model",
+    "free_port",
+    "main",
+    "say",
+    "vllm_python",
+]
 
 
 @dataclass
@@ -103,14 +115,29 @@ class Instance:
 
     def _cmd(self, node: int) -> list[str]:
         cmd = [
-            vllm_python(), "-m", "workers.tools.vllm_serve", "serve", str(self.model),
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-            "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
+            vllm_python(),
+            "-m",
+            "workers.tools.vllm_serve",
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--max-num-seqs",
+            "8",
             # 64 blocks of 128 tokens: enough for 8 x 512 tokens. The 1 GiB minimum of
             # VLLM_CPU_KVCACHE_SPACE would be 32k blocks, each a NIXL descriptor to register.
-            "--num-gpu-blocks-override", "64",
-            "--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG),
-        ]  # fmt: skip
+            "--num-gpu-blocks-override",
+            "64",
+            "--kv-transfer-config",
+            json.dumps(KV_TRANSFER_CONFIG),
+        ]
         if self.tp > 1:
             cmd += ["-tp", str(self.tp)]
         if self.dp > 1:
@@ -335,14 +362,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = registry.url if registry else None
         token = registry.tokens.worker if registry else None
         prefill = Instance(
-            "prefill", model, workdir, tp=2, nodes=2,
-            registry_url=url, registry_token=token, group="prefill-0", role="prefill",
-        ).start()  # fmt: skip
+            "prefill",
+            model,
+            workdir,
+            tp=2,
+            nodes=2,
+            registry_url=url,
+            registry_token=token,
+            group="prefill-0",
+            role="prefill",
+        ).start()
         started.append(prefill)
         decode = Instance(
-            "decode", model, workdir, registry_url=url, registry_token=token,
-            group="decode-0", role="decode",
-        ).start()  # fmt: skip
+            "decode",
+            model,
+            workdir,
+            registry_url=url,
+            registry_token=token,
+            group="decode-0",
+            role="decode",
+        ).start()
         started.append(decode)
         say("prefill (TP 2 over two nodes) and decode (TP 1) starting...")
         say(f"prefill healthy after {prefill.wait_healthy(args.timeout):.1f} s: {prefill.url}")

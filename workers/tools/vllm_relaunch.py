@@ -66,8 +66,9 @@ def _pids(instance: Instance) -> list[tuple[str, str]]:
     """(node, pid) of every process of the instance (its nodes' process groups)."""
     found: list[tuple[str, str]] = []
     for proc in instance.procs:
-        group = subprocess.run(["pgrep", "-g", str(proc.popen.pid)], capture_output=True,
-                               text=True, timeout=10).stdout.split()  # fmt: skip
+        group = subprocess.run(
+            ["pgrep", "-g", str(proc.popen.pid)], capture_output=True, text=True, timeout=10
+        ).stdout.split()
         found.extend((proc.name, pid) for pid in group)
     return found
 
@@ -82,9 +83,12 @@ def _thread_states(instance: Instance, out: Path, gap_s: float = 2.0) -> None:
             try:
                 stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
                 found[task.name] = (
-                    stat[0], int(stat[11]) + int(stat[12]), (task / "comm").read_text().strip(),
-                    (task / "wchan").read_text().strip(), (task / "syscall").read_text().strip(),
-                )  # fmt: skip
+                    stat[0],
+                    int(stat[11]) + int(stat[12]),
+                    (task / "comm").read_text().strip(),
+                    (task / "wchan").read_text().strip(),
+                    (task / "syscall").read_text().strip(),
+                )
             except (OSError, IndexError, ValueError):
                 continue
         return found
@@ -114,13 +118,18 @@ def _gdb_stacks(instance: Instance, out: Path) -> None:
         if not comm.exists() or "Worker" not in comm.read_text():
             continue
         t0 = time.strftime("%H:%M:%S")
-        bt = subprocess.run([gdb, "-p", pid, "-batch", "-ex", "thread apply all bt 20"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+        bt = subprocess.run(
+            [gdb, "-p", pid, "-batch", "-ex", "thread apply all bt 20"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         (out / f"{instance.name}-gdb-{pid}.txt").write_text(f"at {t0}\n{bt.stdout}{bt.stderr}")
 
 
-def _dump_if_slow(instances: Sequence[Instance], out: Path, after_s: float,
-                  done: threading.Event) -> None:  # fmt: skip
+def _dump_if_slow(
+    instances: Sequence[Instance], out: Path, after_s: float, done: threading.Event
+) -> None:
     """The workers' native stacks (gdb), then every process's (`py-spy dump --native`), if
     the PD request is still running ``after_s`` in: what they do while a pull waits."""
     if done.wait(after_s):
@@ -168,34 +177,51 @@ def run(args: argparse.Namespace) -> int:
                 if running is not None:
                     running.stop()
             prefill = Instance(
-                f"prefill-r{n}", model, workdir, tp=2, nodes=2, cores=BINDS[args.bind][0],
-                registry_url=registry.url, registry_token=registry.tokens.worker,
-                group="prefill-0", role="prefill", extra_env=extra,
-            ).start()  # fmt: skip
+                f"prefill-r{n}",
+                model,
+                workdir,
+                tp=2,
+                nodes=2,
+                cores=BINDS[args.bind][0],
+                registry_url=registry.url,
+                registry_token=registry.tokens.worker,
+                group="prefill-0",
+                role="prefill",
+                extra_env=extra,
+            ).start()
             up_p = prefill.wait_healthy(args.start_timeout)
             decode = Instance(
-                f"decode-r{n}", model, workdir, cores=BINDS[args.bind][1],
-                registry_url=registry.url, registry_token=registry.tokens.worker,
-                group="decode-0", role="decode",
+                f"decode-r{n}",
+                model,
+                workdir,
+                cores=BINDS[args.bind][1],
+                registry_url=registry.url,
+                registry_token=registry.tokens.worker,
+                group="decode-0",
+                role="decode",
                 extra_env={
                     **{k: v for k, v in extra.items() if k != "PYTHONPATH"},
                     "ENGINE_REGISTRY_KV_WAIT_WARN_S": str(args.watch_s),
                 },
-            ).start()  # fmt: skip
+            ).start()
             up_d = decode.wait_healthy(args.start_timeout)
             own = complete(prefill.url, body)
             t1 = time.monotonic()
             outcome = "ok"
             finished = threading.Event()
             threading.Thread(
-                target=_dump_if_slow, daemon=True,
+                target=_dump_if_slow,
+                daemon=True,
                 args=((prefill, decode), workdir / f"round-{n}", args.stall_s, finished),
-            ).start()  # fmt: skip
+            ).start()
             try:
                 answer, _ = pd_complete(
-                    prefill.url, decode.url, body, timeout_s=args.pd_timeout,
+                    prefill.url,
+                    decode.url,
+                    body,
+                    timeout_s=args.pd_timeout,
                     decode_logs=decode.log_text,
-                )  # fmt: skip
+                )
                 if answer.status_code != 200:
                     outcome = f"HTTP {answer.status_code}"
                 elif answer.json()["choices"][0]["text"] != own.json()["choices"][0]["text"]:
@@ -206,8 +232,11 @@ def run(args: argparse.Namespace) -> int:
                 outcome = f"error {type(exc).__name__}"
             finished.set()
             pd_s = time.monotonic() - t1
-            pulls = [line.split("] ", 1)[-1] for line in decode.log_text().splitlines()
-                     if KV_WATCH_MARK in line]  # fmt: skip
+            pulls = [
+                line.split("] ", 1)[-1]
+                for line in decode.log_text().splitlines()
+                if KV_WATCH_MARK in line
+            ]
             if pulls:
                 say(f"round {n}: decode's KV-pull watch: {pulls[-1]}")
             if outcome != "ok":
@@ -238,20 +267,35 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m workers.tools.vllm_relaunch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m workers.tools.vllm_relaunch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--workdir", type=Path, help="logs and model (default: a temp dir, kept)")
     p.add_argument("--pd-timeout", type=float, default=60.0, help="a PD request's deadline")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--debug", action="store_true", help="vLLM DEBUG logs, NIXL/UCX info")
-    p.add_argument("--watch-s", type=float, default=0.001,
-                   help="decode logs each KV pull waiting this long, with its stage")  # fmt: skip
+    p.add_argument(
+        "--watch-s",
+        type=float,
+        default=0.001,
+        help="decode logs each KV pull waiting this long, with its stage",
+    )
     p.add_argument("--stop-on-hang", action="store_true")
-    p.add_argument("--bind", choices=sorted(BINDS), default="nobind",
-                   help="pin each vLLM node's threads to a core, or not")  # fmt: skip
-    p.add_argument("--stall-s", type=float, default=8.0,
-                   help="gdb and py-spy stacks once a PD request runs this long")  # fmt: skip
+    p.add_argument(
+        "--bind",
+        choices=sorted(BINDS),
+        default="nobind",
+        help="pin each vLLM node's threads to a core, or not",
+    )
+    p.add_argument(
+        "--stall-s",
+        type=float,
+        default=8.0,
+        help="gdb and py-spy stacks once a PD request runs this long",
+    )
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     if args.workdir is None:

@@ -27,8 +27,11 @@ def attach_decode_side(
     needed = ("_handshake_lock", "_remote_agents", "_engine_by_address", "_cleanup_remote_engine")
     missing = [name for name in needed if not hasattr(worker, name)]
     if missing:
-        log.warning("%s: this vLLM's NIXL worker lacks %s: side channel used", via_registry.MARK,
-                    ", ".join(missing))  # fmt: skip
+        log.warning(
+            "%s: this vLLM's NIXL worker lacks %s: side channel used",
+            via_registry.MARK,
+            ", ".join(missing),
+        )
         return False
     counters = WorkerCounters()
 
@@ -66,8 +69,9 @@ def attach_decode_side(
         counters.freed(held())
         log.info(
             "engine-registry: vLLM freed the NIXL state of remote engine %s; %d held",
-            engine_id, held(),
-        )  # fmt: skip
+            engine_id,
+            held(),
+        )
         return result
 
     worker._cleanup_remote_engine = cleanup_and_count

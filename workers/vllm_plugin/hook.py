@@ -35,9 +35,16 @@ from workers.vllm_plugin.settings import (
 _PATCHED = "_engine_registry_patched"
 
 __all__ = [
-    "ENV_GROUP", "ENV_LAUNCH", "ENV_ROLE", "ENV_TOKEN", "PluginConfigError", "UnsupportedVllm",
-    "check_token", "check_version", "install",
-]  # fmt: skip
+    "ENV_GROUP",
+    "ENV_LAUNCH",
+    "ENV_ROLE",
+    "ENV_TOKEN",
+    "PluginConfigError",
+    "UnsupportedVllm",
+    "check_token",
+    "check_version",
+    "install",
+]
 
 
 class UnsupportedVllm(RuntimeError):

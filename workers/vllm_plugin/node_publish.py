@@ -89,9 +89,14 @@ def publish_by_node(
         # A local rank that failed says so in its own verdict; the node registers all or none.
         try:
             share.batch = BatchPublication(
-                make_client, identity, local, label=f"node {node} ranks {share.ranks}",
-                ttl_s=ttl_s, logger=logger, close_timeout_s=close_timeout_s,
-            )  # fmt: skip
+                make_client,
+                identity,
+                local,
+                label=f"node {node} ranks {share.ranks}",
+                ttl_s=ttl_s,
+                logger=logger,
+                close_timeout_s=close_timeout_s,
+            )
             share.superseded = share.batch.superseded
             share.batch.publish()
         except Exception as exc:

@@ -143,8 +143,13 @@ def _groups(
     found: list[tuple[str, int | None, Any]] = []
     for rank in range(min(dp_size, MAX_DP)):
         try:
-            found.append((f"{settings.group}-dp{rank}", rank, client.get_engine(
-                f"{settings.group}-dp{rank}")))  # fmt: skip
+            found.append(
+                (
+                    f"{settings.group}-dp{rank}",
+                    rank,
+                    client.get_engine(f"{settings.group}-dp{rank}"),
+                )
+            )
         except NotFound:
             break
     return found
@@ -175,8 +180,12 @@ def publish_when_serving(settings: PluginSettings, argv: Sequence[str]) -> None:
                 # vLLM's API server answers only once every DP rank's engine core reported
                 # ready to it, so that group's engine now is this deployment's.
                 if engine.launch_id != settings.launch_id and not (dp_rank and engine.ready):
-                    log.warning("engine-registry: group %s's engine is another launch's "
-                                "(%s): not published", group, engine.launch_id)  # fmt: skip
+                    log.warning(
+                        "engine-registry: group %s's engine is another launch's "
+                        "(%s): not published",
+                        group,
+                        engine.launch_id,
+                    )
                     continue
                 bootstrap = f"{host}:{port + (dp_rank or 0)}"  # vLLM: base + DP rank
                 body = {
@@ -188,8 +197,13 @@ def publish_when_serving(settings: PluginSettings, argv: Sequence[str]) -> None:
                 }
                 client.request("PUT", f"/tp-groups/{group}/engine/serving", json=body)
                 published.append((group, engine.engine_id))
-                log.info("engine-registry: published that group %s (engine %s) serves %s at "
-                         "%s", group, engine.engine_id, model, url)  # fmt: skip
+                log.info(
+                    "engine-registry: published that group %s (engine %s) serves %s at %s",
+                    group,
+                    engine.engine_id,
+                    model,
+                    url,
+                )
     except RegistryError as exc:
         log.warning("engine-registry: could not publish where this instance serves: %s", exc)
     if published:
@@ -200,8 +214,9 @@ def _withdraw(settings: PluginSettings, published: list[tuple[str, str]]) -> Non
     try:
         with common.client(settings, timeout_s=2.0) as client:
             for group, engine_id in published:
-                client.request("DELETE", f"/tp-groups/{group}/engine/serving",
-                               params={"engine_id": engine_id})  # fmt: skip
+                client.request(
+                    "DELETE", f"/tp-groups/{group}/engine/serving", params={"engine_id": engine_id}
+                )
     except RegistryError:
         pass  # its engine goes with the next launch, and its leases lapse
 
@@ -226,8 +241,10 @@ def start(settings: PluginSettings, argv: Sequence[str]) -> threading.Thread | N
         return None
     serve_grpc_metrics(settings, argv)
     thread = threading.Thread(
-        target=publish_when_serving, args=(settings, list(argv)), name="engine-registry-serving",
+        target=publish_when_serving,
+        args=(settings, list(argv)),
+        name="engine-registry-serving",
         daemon=True,
-    )  # fmt: skip
+    )
     thread.start()
     return thread

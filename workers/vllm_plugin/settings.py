@@ -74,9 +74,11 @@ class PluginSettings(BaseSettings):
         "request; rank: each rank its own",
     )
     nixl_progress_us: int = Field(
-        1000, ge=0, le=1_000_000,
+        1000,
+        ge=0,
+        le=1_000_000,
         description="NIXL progress thread: wait for events up to this many us (0: busy poll)",
-    )  # fmt: skip
+    )
     advertise_url: str = Field(
         "", description="the URL routers reach this instance's API at (default: from --port)"
     )

@@ -63,8 +63,14 @@ def guard(worker: Any, settings: PluginSettings) -> bool:
     if handshake is None:
         return False
 
-    def checked(host: str, port: int, remote_tp_size: int, expected_engine_id: str,
-                *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def checked(
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         with common.client(settings, timeout_s=CHECK_S) as client:
             why = verdict(client, str(expected_engine_id))
         if why is not None:
@@ -74,8 +80,12 @@ def guard(worker: Any, settings: PluginSettings) -> bool:
         result = handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs)
         log.info(
             "%s with engine %s over vLLM's side channel %s:%s in %.3f s",
-            SIDE_CHANNEL_MARK, expected_engine_id, host, port, time.perf_counter() - t0,
-        )  # fmt: skip
+            SIDE_CHANNEL_MARK,
+            expected_engine_id,
+            host,
+            port,
+            time.perf_counter() - t0,
+        )
         return result
 
     worker._nixl_handshake = checked

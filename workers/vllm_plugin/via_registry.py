@@ -214,9 +214,16 @@ def install(
             on_side_channel()
         return handshake(host, port, *args, **kwargs)
 
-    def via_registry(host: str, port: int, remote_tp_size: int, expected_engine_id: str,
-                     remote_dcp_size: int = 1, remote_pp_size: int = 1,
-                     *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def via_registry(
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        remote_dcp_size: int = 1,
+        remote_pp_size: int = 1,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         rest = (remote_tp_size, expected_engine_id, remote_dcp_size, remote_pp_size, *args)
         if remote_pp_size != 1 or remote_dcp_size != 1:
             why = f"remote PP {remote_pp_size} / DCP {remote_dcp_size} is not planned by it"
@@ -227,10 +234,13 @@ def install(
         try:
             with common.client(settings, timeout_s=HANDSHAKE_S) as client:
                 planned = client.handshake(
-                    base, tp_size=side.tp_size, rank=side.rank, compat=side.compat,
+                    base,
+                    tp_size=side.tp_size,
+                    rank=side.rank,
+                    compat=side.compat,
                     decode={"group_id": side.group_id, "engine_id": decode_engine},
                     timeout_s=HANDSHAKE_S,
-                )  # fmt: skip
+                )
         except NotFound as exc:
             if exc.problem.get("decode_group_id"):  # this decode's own group, not the prefill
                 raise RegistryHandshakeError(f"{MARK} refused by the registry: {exc}") from exc
@@ -272,10 +282,16 @@ def install(
         log.info(
             "%s with engine %s (group %r, generation %d): ranks %s loaded from the registry "
             "in %.3f s, clock offset %.6f s; side channel %s:%s not dialed",
-            MARK, expected_engine_id, planned.group_id, planned.generation,
-            [t.rank for t in planned.targets], time.perf_counter() - t0,
-            answer.clock_offset, host, port,
-        )  # fmt: skip
+            MARK,
+            expected_engine_id,
+            planned.group_id,
+            planned.generation,
+            [t.rank for t in planned.targets],
+            time.perf_counter() - t0,
+            answer.clock_offset,
+            host,
+            port,
+        )
         if on_handshake is not None:
             on_handshake(str(expected_engine_id), planned)
         return result

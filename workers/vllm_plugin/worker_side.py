@@ -278,10 +278,15 @@ def _publish_by_node(connector: Any, config: Any) -> NodeShare:
     settings = _state.settings
     try:
         share = node_publish.publish_by_node(
-            lambda: common.client(settings), _state.identity,
-            lambda: agent_item(connector, config), rank=_state.rank, node=_state.node,
-            group=_state.group, ttl_s=settings.ttl_s, logger=log,
-        )  # fmt: skip
+            lambda: common.client(settings),
+            _state.identity,
+            lambda: agent_item(connector, config),
+            rank=_state.rank,
+            node=_state.node,
+            group=_state.group,
+            ttl_s=settings.ttl_s,
+            logger=log,
+        )
     except EngineIdentityError as exc:
         raise RuntimeError(
             f"engine-registry: rank {_state.rank} of group {_state.group_id!r} could "
@@ -333,9 +338,12 @@ def attach_publication(connector: Any, config: Any) -> None:
         worker = getattr(connector, "connector_worker", None)
         if worker is not None and common.role(config, settings) != "prefill":
             side = via_registry.DecodeSide(
-                tp_size=_state.size, rank=_state.rank, compat=_state.compat,
-                group_id=_state.group_id, engine_id=_state.engine_id,
-            )  # fmt: skip
+                tp_size=_state.size,
+                rank=_state.rank,
+                compat=_state.compat,
+                group_id=_state.group_id,
+                engine_id=_state.engine_id,
+            )
             attached = _state.pp_size == 1 and attach_decode_side(worker, settings, side)
             if not attached and settings.check_remote:
                 stale.guard(worker, settings)

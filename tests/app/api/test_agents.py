@@ -158,14 +158,28 @@ BAD_AGENTS: dict[str, dict[str, Any]] = {
     "ttl-string": {"ttl_s": "30"},
     "ttl-float": {"ttl_s": 30.5},
     "kv-missing-fields": {"kv": {"mem_type": "DRAM"}},
-    "kv-bad-mem-type": {"kv": {"mem_type": "GPU", "device_id": 0, "base_addrs": [1],
-                               "num_blocks": 1, "block_len": 1}},
-    "kv-negative-addr": {"kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [-1],
-                                "num_blocks": 1, "block_len": 1}},
+    "kv-bad-mem-type": {
+        "kv": {
+            "mem_type": "GPU",
+            "device_id": 0,
+            "base_addrs": [1],
+            "num_blocks": 1,
+            "block_len": 1,
+        }
+    },
+    "kv-negative-addr": {
+        "kv": {
+            "mem_type": "DRAM",
+            "device_id": 0,
+            "base_addrs": [-1],
+            "num_blocks": 1,
+            "block_len": 1,
+        }
+    },
     "agent_name-empty": {"agent_name": ""},
     "unknown-field": {"role": "prefill"},
     "engine_id-number": {"engine_id": 5},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("change", list(BAD_AGENTS.values()), ids=list(BAD_AGENTS))

@@ -172,9 +172,18 @@ def test_tokens_never_appear_in_the_server_log(api: httpx.Client, server: Regist
 
 def serve_cmd(tmp_path: Path, host: str, port: int, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "app", "serve", "--host", host, "--port", str(port),
-        "--store", sqlite_url(tmp_path), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "app",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--store",
+        sqlite_url(tmp_path),
+        *extra,
+    ]
 
 
 def clean_env() -> dict[str, str]:

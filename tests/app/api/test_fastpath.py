@@ -47,9 +47,19 @@ def shape(value: Any) -> Any:
         return {
             k: shape(v)
             for k, v in value.items()
-            if k not in {"engine_id", "agent_name", "expires_at", "registered_at", "created_at",
-                         "detail", "instance", "expected_engine_id", "current_engine_id"}
-        }  # fmt: skip
+            if k
+            not in {
+                "engine_id",
+                "agent_name",
+                "expires_at",
+                "registered_at",
+                "created_at",
+                "detail",
+                "instance",
+                "expected_engine_id",
+                "current_engine_id",
+            }
+        }
     if isinstance(value, list):
         return [shape(v) for v in value]
     return value
@@ -228,6 +238,11 @@ def test_the_hot_path_writes_what_uvicorn_would(servers: dict[str, httpx.Client]
         assert all(b["group_id"] == "hot-raw" and b["ready"] is False for b in bodies)
         seen[name] = [names for _, names, _ in kept]
     assert seen["on"] == seen["off"]
-    assert seen["on"][0] == [b"date", b"server", b"content-length", b"content-type",
-                             b"x-request-id"]  # fmt: skip
+    assert seen["on"][0] == [
+        b"date",
+        b"server",
+        b"content-length",
+        b"content-type",
+        b"x-request-id",
+    ]
     assert seen["on"][3][-1] == b"connection"  # and the server closed it: _raw read to the end

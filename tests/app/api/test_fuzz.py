@@ -49,20 +49,38 @@ def test_fuzzed_requests_get_no_500_no_hang_and_problem_json_errors(
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or shutil.which("st")
     assert st, "schemathesis' st command not found"
     cmd = [
-        st, "run", f"{fuzz_target.url}/openapi.json",
-        "--checks", "not_a_server_error,errors_are_problem_json",
-        "--max-examples", str(MAX_EXAMPLES), "--seed", "4",
-        "--phases", "examples,fuzzing",
-        "--request-timeout", "20", "--max-response-time", str(MAX_RESPONSE_S),
+        st,
+        "run",
+        f"{fuzz_target.url}/openapi.json",
+        "--checks",
+        "not_a_server_error,errors_are_problem_json",
+        "--max-examples",
+        str(MAX_EXAMPLES),
+        "--seed",
+        "4",
+        "--phases",
+        "examples,fuzzing",
+        "--request-timeout",
+        "20",
+        "--max-response-time",
+        str(MAX_RESPONSE_S),
         # One worker: two threads of hypothesis can trip CPython 3.11's ast.parse ("AST
         # constructor recursion depth mismatch"), a crash of the tool, not of the API.
-        "--workers", "1", "--no-shrink", "--suppress-health-check", "all",
+        "--workers",
+        "1",
+        "--no-shrink",
+        "--suppress-health-check",
+        "all",
         # Fuzzing only: the examples phase (the schema's few examples) once died inside
         # hypothesis itself ("AST constructor recursion depth mismatch" while describing a
         # strategy), failing the run with every generated request answered correctly.
-        "--phases", "fuzzing",
-        "--report", "junit", "--report-dir", str(tmp_path / "report"),
-    ]  # fmt: skip
+        "--phases",
+        "fuzzing",
+        "--report",
+        "junit",
+        "--report-dir",
+        str(tmp_path / "report"),
+    ]
     env = {
         **os.environ,
         "SCHEMATHESIS_HOOKS": "tests.app.api.st_hooks",

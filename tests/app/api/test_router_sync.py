@@ -44,8 +44,12 @@ class Fleet:
         self.stand_ins = stand_ins
 
     def launch(self, gid: str, kind: str, *, ttl_s: int = 600, **compat: Any) -> StandIn:
-        body = {"launch_id": uuid.uuid4().hex, "tp_size": 1, "role": kind,
-                "compat": {**COMPAT, **compat}}  # fmt: skip
+        body = {
+            "launch_id": uuid.uuid4().hex,
+            "tp_size": 1,
+            "role": kind,
+            "compat": {**COMPAT, **compat},
+        }
         engine = self.http.put(f"/tp-groups/{gid}/engine", json=body).json()
         instance = self.stand_ins.add(f"{gid}-g{engine['generation']}", kind, engine["engine_id"])
         self.register(gid, engine["engine_id"], ttl_s)
@@ -57,10 +61,20 @@ class Fleet:
         return instance
 
     def register(self, gid: str, engine_id: str, ttl_s: int) -> None:
-        agent = {"engine_id": engine_id, "agent_name": f"{engine_id}-0", "host": "127.0.0.1",
-                 "agent_metadata": base64.b64encode(b"md").decode(), "ttl_s": ttl_s,
-                 "kv": {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096],
-                        "num_blocks": 8, "block_len": 64}}  # fmt: skip
+        agent = {
+            "engine_id": engine_id,
+            "agent_name": f"{engine_id}-0",
+            "host": "127.0.0.1",
+            "agent_metadata": base64.b64encode(b"md").decode(),
+            "ttl_s": ttl_s,
+            "kv": {
+                "mem_type": "DRAM",
+                "device_id": 0,
+                "base_addrs": [4096],
+                "num_blocks": 8,
+                "block_len": 64,
+            },
+        }
         answer = self.http.put(f"/tp-groups/{gid}/engine/agents/0", json=agent)
         assert answer.status_code in (200, 201), answer.text
 
@@ -146,8 +160,11 @@ def test_a_vllm_router_fed_only_by_router_sync_follows_the_registry(
         d2 = fleet.launch("decode-a", "decode", ttl_s=5)
         wait_for(lambda: "offer decode decode-a (generation 2" in sync.log_text(), 25, "d2")
         stopped = time.monotonic()
-        gone = wait_for(lambda: complete(router).status_code != 200, 5 + EXPIRY_S + 10,
-                        "the router stops using the decode whose lease lapsed")  # fmt: skip
+        gone = wait_for(
+            lambda: complete(router).status_code != 200,
+            5 + EXPIRY_S + 10,
+            "the router stops using the decode whose lease lapsed",
+        )
         print(f"decode left the router {gone:.1f} s after its last renewal (ttl 5 s)")
         assert "withdraw decode decode-a (generation 2" in sync.log_text()
         assert "not ready" in sync.log_text()

@@ -65,7 +65,7 @@ def test_hot_and_cold_requests_pipelined_on_one_connection_answer_in_order(
             _request("POST", "/tp-groups/wire-order/engine/agents/heartbeat", beat | other),
             _request("POST", "/tp-groups/wire-order/engine/agents/heartbeat", beat),
         ]
-    )  # fmt: skip
+    )
     answers = _raw(server.url, data, 6)
     statuses = [status.split(b" ")[1] for status, _, _ in answers]
     assert statuses == [b"200", b"200", b"422", b"200", b"409", b"200"], statuses

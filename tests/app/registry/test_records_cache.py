@@ -58,13 +58,26 @@ def test_briefs_of_agents_are_kept_apart_from_their_whole_records() -> None:
     """At a fleet's size the agents' records outgrow their cache; the briefs (no ``kv``) that
     heartbeats, listings and the status page need are kept apart, and the engines too."""
     agent = AgentRecord(
-        rank=3, engine_id="e1", generation=1, agent_name="a", host="10.0.0.1",
-        kv={"base_addrs": list(range(80))}, ttl_s=30, registered_at="t", lease=42,
-    )  # fmt: skip
+        rank=3,
+        engine_id="e1",
+        generation=1,
+        agent_name="a",
+        host="10.0.0.1",
+        kv={"base_addrs": list(range(80))},
+        ttl_s=30,
+        registered_at="t",
+        lease=42,
+    )
     engine = EngineRecord(
-        group_id="g", engine_id="e1", generation=1, launch_id="l", tp_size=8, role="prefill",
-        compat={}, created_at="t",
-    )  # fmt: skip
+        group_id="g",
+        engine_id="e1",
+        generation=1,
+        launch_id="l",
+        tp_size=8,
+        role="prefill",
+        compat={},
+        created_at="t",
+    )
     decoded = Decoded(records_bytes=1)  # no agent record fits: every one is parsed anew
     a = Entry("groups/g/agents/3", agent.model_dump_json().encode(), 5, 42)
     e = Entry("groups/g/engine", engine.model_dump_json().encode(), 4, None)

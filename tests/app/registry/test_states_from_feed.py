@@ -118,8 +118,11 @@ def test_the_feed_shows_what_a_range_read_shows(
                 "relaunched",
             ]
             assert [sorted(s.agents) for s in from_feed] == [
-                [0, 1, 2, 3, 4, 6, 7], [0, 1, 2], list(range(TP)), [0, 1]
-            ]  # fmt: skip
+                [0, 1, 2, 3, 4, 6, 7],
+                [0, 1, 2],
+                list(range(TP)),
+                [0, 1],
+            ]
             registry.seen = None
             assert _shown(await registry.group_states()) == _shown(from_feed)
             registry.seen = feed

@@ -43,10 +43,23 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RegistryP
 
 def start_agent(url: str, gid: str, rank: int, engine_id: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.support.agent_proc", url, gid, str(rank), engine_id,
-         "--ttl-s", str(TTL_S), "--max-life-s", "90"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.support.agent_proc",
+            url,
+            gid,
+            str(rank),
+            engine_id,
+            "--ttl-s",
+            str(TTL_S),
+            "--max-life-s",
+            "90",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.timeout(90)

@@ -107,10 +107,15 @@ def test_two_of_three_members_killed_answer_503_within_the_bound_then_recover(
             ("GET", b, "/readyz", {}),
             ("GET", a, "/tp-groups/q-ready/engine", {"params": {"wait_ready": 5}}),
             ("PUT", b, "/tp-groups/q-new/engine", {"json": new_launch}),
-            ("POST", a, "/tp-groups/q-ready/engine/agents/0/heartbeat", {"json": {"engine_id": eid}}),  # noqa: E501
+            (
+                "POST",
+                a,
+                "/tp-groups/q-ready/engine/agents/0/heartbeat",
+                {"json": {"engine_id": eid}},
+            ),
             ("PUT", b, "/tp-groups/q-ready/engine/agents/0", {"json": agent_body(eid, 0, 60)}),
             ("POST", a, f"/engines/{eid}/handshake", {"json": {"tp_size": 1, "rank": 0}}),
-        ]  # fmt: skip
+        ]
 
         async def timed(
             client: httpx.AsyncClient, method: str, url: str, kwargs: dict[str, Any]

@@ -162,28 +162,36 @@ def test_misconfigured_registry_stops_at_start_naming_cause_and_fix(
         "wrong CA": (
             url,
             env | {"REGISTRY_ETCD_CA": str(secure.tls.other_ca)},
-            [f"TLS handshake with etcd at {where} failed: certificate verify failed",
-             "set REGISTRY_ETCD_CA to the CA that signed etcd's certificate"],
+            [
+                f"TLS handshake with etcd at {where} failed: certificate verify failed",
+                "set REGISTRY_ETCD_CA to the CA that signed etcd's certificate",
+            ],
         ),
         "no client certificate": (
             url,
             no_cert,
-            [f"etcd at {where} refused this client's TLS certificate (none",
-             "--client-cert-auth; set REGISTRY_ETCD_CERT and REGISTRY_ETCD_KEY"],
+            [
+                f"etcd at {where} refused this client's TLS certificate (none",
+                "--client-cert-auth; set REGISTRY_ETCD_CERT and REGISTRY_ETCD_KEY",
+            ],
         ),
         "wrong password": (
             url,
             env | {"REGISTRY_ETCD_PASSWORD_FILE": str(wrong)},
-            ["etcd refused user registry: authentication failed",
-             "check REGISTRY_ETCD_PASSWORD_FILE"],
+            [
+                "etcd refused user registry: authentication failed",
+                "check REGISTRY_ETCD_PASSWORD_FILE",
+            ],
         ),
         "plain etcd:// to a TLS etcd": (
             secure.cluster.url("tls-plain", scheme="etcd"),
             {},
-            [f"etcd at {where} closed the connection during the handshake",
-             "write the store as etcds://"],
+            [
+                f"etcd at {where} closed the connection during the handshake",
+                "write the store as etcds://",
+            ],
         ),
-    }  # fmt: skip
+    }
     base = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
     procs = {
         name: subprocess.Popen(

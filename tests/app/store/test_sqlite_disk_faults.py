@@ -201,12 +201,15 @@ def check_frozen(server: RegistryProcess, group: str, eid: str, broken: list[str
     read("as the disk froze", group_written=False)
 
     writes: list[Call] = [
-        ("register an agent", "PUT", f"/tp-groups/{group}/engine/agents/1",
-         agent_body(eid, 1)),
-        ("open an engine", "PUT", "/tp-groups/stalled-new/engine",
-         {"launch_id": "l-new", "tp_size": 1, "role": "prefill"}),
+        ("register an agent", "PUT", f"/tp-groups/{group}/engine/agents/1", agent_body(eid, 1)),
+        (
+            "open an engine",
+            "PUT",
+            "/tp-groups/stalled-new/engine",
+            {"launch_id": "l-new", "tp_size": 1, "role": "prefill"},
+        ),
         ("/readyz", "GET", "/readyz", None),
-    ]  # fmt: skip
+    ]
 
     for what, answer, seconds in concurrently(server, writes):
         expect_503_within(what, answer, seconds, WRITE_BOUND_S, broken)
@@ -237,11 +240,19 @@ def test_a_store_on_a_read_only_disk_answers_503_and_writes_resume_once_it_is_wr
             with httpx.Client(base_url=server.url, timeout=10.0) as http:
                 broken: list[str] = []
                 calls: list[Call] = [
-                    ("open an engine", "PUT", "/tp-groups/readonly-new/engine",
-                     {"launch_id": "l-ro", "tp_size": 1, "role": "prefill"}),
-                    ("register an agent", "PUT", "/tp-groups/readonly/engine/agents/0",
-                     agent_body(engine["engine_id"], 0)),
-                ]  # fmt: skip
+                    (
+                        "open an engine",
+                        "PUT",
+                        "/tp-groups/readonly-new/engine",
+                        {"launch_id": "l-ro", "tp_size": 1, "role": "prefill"},
+                    ),
+                    (
+                        "register an agent",
+                        "PUT",
+                        "/tp-groups/readonly/engine/agents/0",
+                        agent_body(engine["engine_id"], 0),
+                    ),
+                ]
                 for what, answer, seconds in concurrently(server, calls):
                     expect_503_within(f"{what} (read-only)", answer, seconds, WRITE_BOUND_S, broken)
                 assert not broken, "\n".join(broken)
@@ -338,11 +349,19 @@ def test_deleting_the_database_file_under_the_server_answers_writes_503_and_logs
 
             broken: list[str] = []
             calls: list[Call] = [
-                ("open an engine", "PUT", "/tp-groups/deleted-new/engine",
-                 {"launch_id": "l-del", "tp_size": 1, "role": "prefill"}),
-                ("register an agent", "PUT", f"/tp-groups/{group}/engine/agents/1",
-                 agent_body(eid, 1)),
-            ]  # fmt: skip
+                (
+                    "open an engine",
+                    "PUT",
+                    "/tp-groups/deleted-new/engine",
+                    {"launch_id": "l-del", "tp_size": 1, "role": "prefill"},
+                ),
+                (
+                    "register an agent",
+                    "PUT",
+                    f"/tp-groups/{group}/engine/agents/1",
+                    agent_body(eid, 1),
+                ),
+            ]
             for what, answer, seconds in concurrently(server, calls):
                 problem = expect_503_within(what, answer, seconds, WRITE_BOUND_S, broken)
                 if problem is not None and not DELETED.search(problem["detail"]):

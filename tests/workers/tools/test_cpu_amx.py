@@ -72,8 +72,12 @@ def test_request_gets_the_permission_where_offered_and_only_fork_keeps_it() -> N
 
 def test_the_cli_reports_json() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "workers.tools.cpu_amx"], cwd=ROOT, capture_output=True, text=True,
-        timeout=60, check=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "workers.tools.cpu_amx"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     report = json.loads(out.stdout)
     assert set(report) >= {"cpu_model", "amx_tile", "kernel_offers", "permitted"}

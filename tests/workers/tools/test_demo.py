@@ -12,16 +12,31 @@ from tests.support.server import ROOT
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(150)]
 
 SMALL = [
-    "--blocks", "4", "--block-size", "4", "--num-heads", "2", "--head-size", "16",
-    "--num-layers", "1", "--timeout-s", "100", "--quiet",
-]  # fmt: skip
+    "--blocks",
+    "4",
+    "--block-size",
+    "4",
+    "--num-heads",
+    "2",
+    "--head-size",
+    "16",
+    "--num-layers",
+    "1",
+    "--timeout-s",
+    "100",
+    "--quiet",
+]
 
 
 def demo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "app", "demo", *args, *SMALL],
-        cwd=ROOT, capture_output=True, text=True, timeout=130, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=130,
+        check=False,
+    )
 
 
 def test_demo_moves_blocks_from_a_two_node_prefill_to_a_decode_and_verifies_every_byte() -> None:

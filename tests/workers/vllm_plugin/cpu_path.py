@@ -18,9 +18,11 @@ def amx_holders(instance: Instance) -> list[int]:
 
 
 def report_the_cpu_path(
-    decode_instance: Instance, prefill_instance: Instance,
-    prefill: dict[str, Any], decode: dict[str, Any],
-) -> None:  # fmt: skip
+    decode_instance: Instance,
+    prefill_instance: Instance,
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+) -> None:
     """Which attention kernel this run covered, and on AMX that every vLLM process asked.
 
     `attn_isa` is what vLLM's own selector returned in the workers (the plugin records it in

@@ -49,9 +49,15 @@ def main(url: str, group_id: str, report_dir: Path, serve_s: float, fail_rank: i
 
     try:
         share = publish_by_node(
-            make_client, identity, describe, rank=rank, node=node, group=None, ttl_s=5,
+            make_client,
+            identity,
+            describe,
+            rank=rank,
+            node=node,
+            group=None,
+            ttl_s=5,
             logger=logging.getLogger("node_publish"),
-        )  # fmt: skip
+        )
     except EngineIdentityError as exc:
         report |= {"status": "refused", "error": str(exc), "causes": exc.causes}
         (report_dir / f"rank{rank}.json").write_text(json.dumps(report))

@@ -57,8 +57,12 @@ def by_node(
 
 def describe(counts: Counter[str], per_minute: float = 0.0) -> str:
     """``N (route n, ...)``; with `per_minute` > 0 the counts are divided into rates."""
-    short = {BATCH_PUT: "batch PUT", RANK_PUT: "per-rank PUT", BATCH_HEARTBEAT: "batch heartbeat",
-             RANK_HEARTBEAT: "per-rank heartbeat"}  # fmt: skip
+    short = {
+        BATCH_PUT: "batch PUT",
+        RANK_PUT: "per-rank PUT",
+        BATCH_HEARTBEAT: "batch heartbeat",
+        RANK_HEARTBEAT: "per-rank heartbeat",
+    }
     scale = (lambda n: n / per_minute) if per_minute > 0 else (lambda n: float(n))
     parts = ", ".join(
         f"{short.get(route, route)} {scale(n):.3g}" for route, n in counts.most_common()

@@ -71,8 +71,12 @@ class Routing:
     def said(self, text: str, limit_s: float) -> float:
         """Seconds until router-sync's or vllm-router's log says ``text``."""
         t0 = time.monotonic()
-        within(lambda: text in self.sync.log_text() + self.router.log_text(), limit_s,
-               f"the routers' logs say {text!r}", self.tails)  # fmt: skip
+        within(
+            lambda: text in self.sync.log_text() + self.router.log_text(),
+            limit_s,
+            f"the routers' logs say {text!r}",
+            self.tails,
+        )
         return time.monotonic() - t0
 
 
@@ -83,8 +87,9 @@ def serving(client: RegistryClient, group: str, url: str, limit_s: float = 60.0)
         engine = client.get_engine(group)
         return engine if (engine.raw.get("serving") or {}).get("url") == url else None
 
-    found: Engine = within(published, limit_s, f"{group} published {url}",
-                           lambda: str(client.get_engine(group).raw))  # fmt: skip
+    found: Engine = within(
+        published, limit_s, f"{group} published {url}", lambda: str(client.get_engine(group).raw)
+    )
     return found
 
 
@@ -100,7 +105,10 @@ def stale_request_fails_at_once(
     took = FIGURES["request naming the superseded engine failed after"] = time.monotonic() - t0
     said = [line for line in decode.log_text().splitlines() if STALE_MARK in line]
     assert any(f"{old_id}: superseded by generation" in line for line in said), (
-        refused.status_code, refused.text[:500], decode.tails())  # fmt: skip
+        refused.status_code,
+        refused.text[:500],
+        decode.tails(),
+    )
     assert took < 5.0, refused.text[:500]  # not vLLM's 5 s wait on the side channel
     MACHINE["a request naming the superseded engine: decode answered"] = (
         f"{refused.status_code} {refused.text[:120]}"

@@ -35,11 +35,27 @@ def run_group(
     launches = []
     for node in range(2):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--nproc-per-node", "2", "-m", "tests.workers.vllm_plugin.node_publish_main",
-            url, group_id, str(out), str(SERVE_S), str(fail_rank),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tests.workers.vllm_plugin.node_publish_main",
+            url,
+            group_id,
+            str(out),
+            str(SERVE_S),
+            str(fail_rank),
+        ]
         launches.append(Launch(f"{group_id}-node{node}", cmd, tmp_path / f"{group_id}{node}.log"))
     with launched(launches):
         codes = wait_all(launches, 120)
@@ -57,8 +73,11 @@ def test_each_node_registers_and_renews_its_ranks_in_one_request(
     assert codes == [0, 0], logs(launches)
     assert [r["status"] for r in found] == ["ok"] * 4, logs(launches)
     assert [(r["rank"], r["leader"], r["ranks"]) for r in found] == [
-        (0, 0, [0, 1]), (1, 0, [0, 1]), (2, 2, [2, 3]), (3, 2, [2, 3]),
-    ]  # fmt: skip
+        (0, 0, [0, 1]),
+        (1, 0, [0, 1]),
+        (2, 2, [2, 3]),
+        (3, 2, [2, 3]),
+    ]
     assert counts["batch PUT"] == 2, "one registration a node"
     assert counts["per-rank PUT"] == 0
     assert counts["per-rank heartbeat"] == 0

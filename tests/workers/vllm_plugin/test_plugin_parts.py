@@ -124,8 +124,14 @@ class _Answer(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         code = {401: "unauthorized", 404: "not_found"}[self.status]
-        body = json.dumps({"title": "t", "status": self.status, "code": code,
-                           "detail": "A valid bearer token is required"}).encode()  # fmt: skip
+        body = json.dumps(
+            {
+                "title": "t",
+                "status": self.status,
+                "code": code,
+                "detail": "A valid bearer token is required",
+            }
+        ).encode()
         self.send_response(self.status)
         self.send_header("content-type", "application/problem+json")
         self.send_header("content-length", str(len(body)))
@@ -139,9 +145,12 @@ def test_the_first_process_refuses_a_token_the_registry_refuses(status: int) -> 
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     settings = PluginSettings(
-        url=f"http://127.0.0.1:{server.server_port}", group="g", token="wrong-token-xxxxxxxx",
-        timeout_s=5, launch_id="l",
-    )  # fmt: skip
+        url=f"http://127.0.0.1:{server.server_port}",
+        group="g",
+        token="wrong-token-xxxxxxxx",
+        timeout_s=5,
+        launch_id="l",
+    )
     try:
         if status == 404:  # no engine yet: the token was accepted, nothing to refuse
             hook.check_token(settings)

@@ -20,14 +20,20 @@ def settings(**extra: Any) -> PluginSettings:
 @pytest.mark.parametrize(
     ("argv", "told", "polled"),
     [
-        (["serve", "m", "--host", "10.1.2.3", "--port", "8100"],
-         "http://10.1.2.3:8100", "http://10.1.2.3:8100"),
+        (
+            ["serve", "m", "--host", "10.1.2.3", "--port", "8100"],
+            "http://10.1.2.3:8100",
+            "http://10.1.2.3:8100",
+        ),
         (["serve", "m", "--port=8101"], "http://127.0.0.1:8101", "http://127.0.0.1:8101"),
         (["serve", "m", "--host", "0.0.0.0"], "http://127.0.0.1:8000", "http://127.0.0.1:8000"),
-        (["serve", "m", "--host", "node-a.local", "--port", "9"],
-         "http://node-a.local:9", "http://node-a.local:9"),
+        (
+            ["serve", "m", "--host", "node-a.local", "--port", "9"],
+            "http://node-a.local:9",
+            "http://node-a.local:9",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_url_comes_from_the_command_line(argv: list[str], told: str, polled: str) -> None:
     # A wildcard or absent host is replaced by the address that routes to the registry
     # (loopback here: the registry is on loopback).

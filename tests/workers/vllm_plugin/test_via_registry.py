@@ -58,9 +58,14 @@ class StandInWorker:
         self.offsets: list[float] = []
 
     def _nixl_handshake(
-        self, host: str, port: int, remote_tp_size: int, expected_engine_id: str,
-        remote_dcp_size: int = 1, remote_pp_size: int = 1,
-    ) -> tuple[dict[tuple[int, int], str], float]:  # fmt: skip
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        remote_dcp_size: int = 1,
+        remote_pp_size: int = 1,
+    ) -> tuple[dict[tuple[int, int], str], float]:
         ranks = [self.tp_rank] if remote_tp_size == 1 else list(range(remote_tp_size))
         agents: dict[tuple[int, int], str] = {}
         best: float | None = None
@@ -95,8 +100,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProce
         yield proc
 
 
-def _publish(client: RegistryClient, group: str, tp: int, clock: float, *, blob: bool = True,
-             ttl_s: int = 30) -> str:  # fmt: skip
+def _publish(
+    client: RegistryClient, group: str, tp: int, clock: float, *, blob: bool = True, ttl_s: int = 30
+) -> str:
     engine, _ = client.open_engine(
         group, launch_id=uuid.uuid4().hex, tp_size=tp, role="prefill", compat={"block_size": 16}
     )
@@ -106,10 +112,15 @@ def _publish(client: RegistryClient, group: str, tp: int, clock: float, *, blob:
             extra["blob"] = via_registry.BLOB_FORMAT
         payload = msgpack.packb({"engine_id": engine.engine_id, "agent": f"agent-{rank}"})
         client.register_agent(
-            group, rank, engine_id=engine.engine_id, agent_name=f"agent-{rank}",
-            agent_metadata=payload, host="127.0.0.1",
-            kv=KvSpec("DRAM", 0, [4096], 8, 512, extra=extra), ttl_s=ttl_s,
-        )  # fmt: skip
+            group,
+            rank,
+            engine_id=engine.engine_id,
+            agent_name=f"agent-{rank}",
+            agent_metadata=payload,
+            host="127.0.0.1",
+            kv=KvSpec("DRAM", 0, [4096], 8, 512, extra=extra),
+            ttl_s=ttl_s,
+        )
     return engine.engine_id
 
 
@@ -136,8 +147,9 @@ def test_the_handshake_loads_every_rank_from_the_registry_without_dialing(
         engine_id = _publish(client, "prefill-a", 2, clock)
         worker = StandInWorker()
         done: list[str] = []
-        assert via_registry.install(worker, _settings(registry), side,
-                                    on_handshake=lambda eid, _plan: done.append(eid))  # fmt: skip
+        assert via_registry.install(
+            worker, _settings(registry), side, on_handshake=lambda eid, _plan: done.append(eid)
+        )
         agents, offset = worker._nixl_handshake("127.0.0.1", closed, 2, engine_id)
         assert agents == {(0, 0): "agent-0", (0, 1): "agent-1"}
         assert abs(offset - 2.5) < 0.05, offset  # vLLM's own estimate, from the registry's clock
@@ -178,8 +190,9 @@ def test_stale_unready_and_unpublished_engines(
         sides: list[int] = []
         via_registry.install(StandInWorker(), _settings(registry), side)
         worker2 = StandInWorker()
-        via_registry.install(worker2, _settings(registry), side,
-                             on_side_channel=lambda: sides.append(1))  # fmt: skip
+        via_registry.install(
+            worker2, _settings(registry), side, on_side_channel=lambda: sides.append(1)
+        )
         with pytest.raises(zmq.Again):
             worker2._nixl_handshake("127.0.0.1", free_port(), 1, legacy)
         assert sides == [1]
@@ -194,9 +207,10 @@ def test_released_engines_go_through_vllms_bookkeeping(
         worker = StandInWorker()
         released: list[tuple[str, str]] = []
         follower = release.Follower(
-            _settings(registry), lambda eid: release.hand_to_vllm(worker, eid),
+            _settings(registry),
+            lambda eid: release.hand_to_vllm(worker, eid),
             lambda followed, kind, _why: released.append((followed.engine_id, kind)),
-        )  # fmt: skip
+        )
         via_registry.install(worker, _settings(registry), side, on_handshake=follower.follow)
         worker._nixl_handshake("127.0.0.1", 1, 1, first)
         worker._nixl_handshake("127.0.0.1", 2, 1, lapsing)

@@ -62,20 +62,46 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
     # token the registry does not know.
     worker = registry.tokens.worker
     wrong_group = Instance(
-        "wrong-group", tiny_model, vllm_workdir, tp=2, nodes=2,
-        registry_url=registry.url, registry_token=worker, group="mixed-a", role="prefill",
-        extra_env=NOFIX, node_env=[{}, {"ENGINE_REGISTRY_GROUP": "mixed-b"}],
-    )  # fmt: skip
+        "wrong-group",
+        tiny_model,
+        vllm_workdir,
+        tp=2,
+        nodes=2,
+        registry_url=registry.url,
+        registry_token=worker,
+        group="mixed-a",
+        role="prefill",
+        extra_env=NOFIX,
+        node_env=[{}, {"ENGINE_REGISTRY_GROUP": "mixed-b"}],
+    )
     wrong_registry = Instance(
-        "wrong-registry", tiny_model, vllm_workdir, tp=2, nodes=2,
-        registry_url=registry.url, registry_token=worker, group="mixed-c", role="prefill",
-        extra_env=NOFIX, node_env=[{}, {"ENGINE_REGISTRY_URL": other_registry.url,
-                                        "ENGINE_REGISTRY_TOKEN": other_registry.tokens.worker}],
-    )  # fmt: skip
+        "wrong-registry",
+        tiny_model,
+        vllm_workdir,
+        tp=2,
+        nodes=2,
+        registry_url=registry.url,
+        registry_token=worker,
+        group="mixed-c",
+        role="prefill",
+        extra_env=NOFIX,
+        node_env=[
+            {},
+            {
+                "ENGINE_REGISTRY_URL": other_registry.url,
+                "ENGINE_REGISTRY_TOKEN": other_registry.tokens.worker,
+            },
+        ],
+    )
     wrong_token = Instance(
-        "wrong-token", tiny_model, vllm_workdir, registry_url=registry.url,
-        registry_token="worker-not-a-token-of-this-registry", group="mixed-e", role="prefill",
-    )  # fmt: skip
+        "wrong-token",
+        tiny_model,
+        vllm_workdir,
+        registry_url=registry.url,
+        registry_token="worker-not-a-token-of-this-registry",
+        group="mixed-e",
+        role="prefill",
+    )
     t0 = time.monotonic()
     try:
         wrong_group.start()
@@ -92,9 +118,11 @@ def test_misconfigured_launches_refuse_to_start_on_every_rank_naming_the_cause(
             assert node0 is not None, (name, codes[name])
             assert node0 != 0, (name, codes[name])
             assert all(code is not None for code in headless), (name, codes[name])
-        for instance, cause in ((wrong_group, "different_group"),
-                                (wrong_registry, "different_registry"),
-                                (wrong_token, "unauthorized")):  # fmt: skip
+        for instance, cause in (
+            (wrong_group, "different_group"),
+            (wrong_registry, "different_registry"),
+            (wrong_token, "unauthorized"),
+        ):
             for node, text in enumerate(instance.logs()):
                 assert "refuses to start" in text, (instance.name, node, text[-3000:])
                 assert cause in text, (instance.name, node, text[-3000:])
@@ -180,9 +208,12 @@ def test_with_the_plugin_prefill_to_decode_works(shared: Shared) -> None:
         # the same request: test_relaunched_prefill_gets_a_new_generation).
         t0 = time.monotonic()
         answer, params = pd_complete(
-            prefill.url, shared.decode.url, shared.body(), decode_logs=shared.decode.log_text,
+            prefill.url,
+            shared.decode.url,
+            shared.body(),
+            decode_logs=shared.decode.log_text,
             side_channel_port=free_port(),
-        )  # fmt: skip
+        )
         FIGURES["PD request (plugin), first"] = time.monotonic() - t0
         assert answer.status_code == 200, (answer.text[:1000], shared.decode.tails())
         assert answer.json()["choices"][0]["text"] == own.json()["choices"][0]["text"]
@@ -252,9 +283,9 @@ def test_relaunched_prefill_gets_a_new_generation(shared: Shared) -> None:
         # The prefill crashes (kill -9: nothing deregisters) while decode stays up. Decode
         # follows the engines it loaded on the registry's watch: once the ranks' 10 s leases
         # lapse, it hands the engine to vLLM's own release.
-        released_before = metric(shared.decode.url,
-                                 "engine_registry_remote_engines_released_total",
-                                 'cause="not_ready"')  # fmt: skip
+        released_before = metric(
+            shared.decode.url, "engine_registry_remote_engines_released_total", 'cause="not_ready"'
+        )
         since = len(shared.decode.log_text())
         killed = time.time()
         shared.prefill.kill()
@@ -286,8 +317,9 @@ def test_relaunched_prefill_gets_a_new_generation(shared: Shared) -> None:
         # vLLM freed the old engine's NIXL state at an engine step: decode holds one engine.
         logged(shared.decode, f"freed the NIXL state of remote engine {old.engine_id}", 30, since)
         assert metric(shared.decode.url, "engine_registry_remote_engines") == 1
-        released = metric(shared.decode.url, "engine_registry_remote_engines_released_total",
-                          'cause="not_ready"')  # fmt: skip
+        released = metric(
+            shared.decode.url, "engine_registry_remote_engines_released_total", 'cause="not_ready"'
+        )
         assert released == released_before + 1, shared.decode.tails()
         stale_request_fails_at_once(
             shared.decode, shared.body(), params, old.engine_id, old_side_channel
@@ -322,8 +354,13 @@ def test_relaunched_prefill_gets_a_new_generation(shared: Shared) -> None:
             ENGINE_REGISTRY_HANDSHAKE="side-channel"
         ).start()
         side.wait_healthy(START_S)
-        refused, _ = pd_complete(prefill.url, side.url, shared.body(), decode_logs=side.log_text,
-                                 side_channel_port=free_port())  # fmt: skip
+        refused, _ = pd_complete(
+            prefill.url,
+            side.url,
+            shared.body(),
+            decode_logs=side.log_text,
+            side_channel_port=free_port(),
+        )
         assert refused.status_code != 200, refused.text[:500]
         for _ in range(3):  # vLLM may still be winding down the failed handshake: its call
             time.sleep(3.0)
