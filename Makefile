@@ -17,7 +17,7 @@ $(VENV)/.service: pyproject.toml
 $(VENV)/.dev: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[workers,etcd,dev]'
+	$(BIN)/pip install -q -e '.[workers,etcd,router-sync,dev]'
 	touch $@ $(VENV)/.service
 
 run: $(VENV)/.service

@@ -8,25 +8,20 @@ import sys
 import time
 from collections.abc import Sequence
 from datetime import datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from workers.tls import ClientTLS
-
-DEFAULT_URL = "http://127.0.0.1:8080"
-
+from registry_client.cli_flags import DEFAULT_URL, add_tls_flags, client_tls, unreachable
 
 # Flags kept from before the flags were derived from the settings' fields.
 _FLAG_ALIASES = {"store_timeout_s": ["--store-timeout"]}
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per field of :class:`app.settings.Settings`; values are validated there."""
-    from app.settings import Settings
+    """One flag per field of :class:`app.server.settings.Settings`; values are validated there."""
+    from app.server.settings import Settings
 
     for name, field in Settings.model_fields.items():
         flags = [f"--{name.replace('_', '-')}", *_FLAG_ALIASES.get(name, [])]
@@ -42,11 +37,11 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from app import logs
-    from app.auth import TokenFileError
+    from app.core import logs
     from app.main import create_app
-    from app.server import serve, server_tls
-    from app.settings import Settings
+    from app.security.auth import TokenFileError
+    from app.server.serve import serve, server_tls
+    from app.server.settings import Settings
 
     overrides: dict[str, Any] = {
         name: getattr(args, name)
@@ -121,7 +116,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"engine-registry status: {exc}", file=sys.stderr)
         return 2
     if args.watch:
-        from app.cli_watch import Watch
+        from registry_client.status_view import Watch
 
         if args.interval < 0.2:
             print("engine-registry status: --interval must be at least 0.2 s", file=sys.stderr)
@@ -175,45 +170,6 @@ def format_tokens(status: dict[str, Any]) -> str:
         f"tokens: generation {status['generation']}, loaded {status['loaded_at']}, "
         f"{where} ({roles}; pid {status.get('pid')})"
     )
-
-
-# -- TLS for the client commands (workers.tls: torch-free, imported only when used) -------------
-
-
-def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--ca",
-        default=os.environ.get("REGISTRY_CA") or os.environ.get("ENGINE_REGISTRY_CA") or None,
-        help="PEM CA bundle that signed an https:// registry's certificate "
-        "(REGISTRY_CA, ENGINE_REGISTRY_CA; default: the system trust store)",
-    )
-    parser.add_argument(
-        "--cert",
-        default=os.environ.get("REGISTRY_CERT") or os.environ.get("ENGINE_REGISTRY_CERT") or None,
-        help="PEM client certificate, for a registry with mutual TLS "
-        "(REGISTRY_CERT, ENGINE_REGISTRY_CERT)",
-    )
-    parser.add_argument(
-        "--key",
-        default=os.environ.get("REGISTRY_KEY") or os.environ.get("ENGINE_REGISTRY_KEY") or None,
-        help="PEM key of --cert (REGISTRY_KEY, ENGINE_REGISTRY_KEY)",
-    )
-
-
-def client_tls(args: argparse.Namespace) -> ClientTLS:
-    """The flags as a ``workers.tls.ClientTLS`` (ValueError naming a flag that is wrong)."""
-    from workers.tls import ClientTLS
-
-    ca, cert, key = (Path(p) if p else None for p in (args.ca, args.cert, args.key))
-    return ClientTLS(ca, cert, key, ca_name="--ca", cert_name="--cert", key_name="--key")
-
-
-def unreachable(exc: httpx.HTTPError, url: str, tls: ClientTLS) -> str:
-    """A TLS failure names what failed and the flag that fixes it; anything else as is."""
-    from workers.tls import tls_failure
-
-    failure = tls_failure(exc, url, tls)
-    return str(failure) if failure is not None else f"cannot reach {url}: {exc}"
 
 
 # -- probe: is this group's engine ready? (a Kubernetes readiness/startup probe) ------------
@@ -361,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_flags(probe)
     probe.set_defaults(func=_probe)
 
-    from app.cli_router_sync import add_command as add_router_sync
+    from registry_client.router_sync.cli import add_command as add_router_sync
 
     add_router_sync(sub, add_tls_flags)
 

@@ -14,10 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from app.api.fastpath import FastPath
 from app.api.routes import engines, health, instances, status_page, tp_groups
-from app.auth import AuthMiddleware
-from app.errors import (
+from app.core.errors import (
     HttpProblem,
     InvalidRequest,
     NotFound,
@@ -25,15 +23,18 @@ from app.errors import (
     RegistryError,
     at_edge,
 )
-from app.gcfreeze import Freezer
-from app.jsonbody import JsonLimitError
-from app.metrics import Metrics
-from app.middleware import TOO_LARGE, BodyLimitMiddleware, ObserveMiddleware
-from app.problems import field_errors, problem_response
+from app.core.gcfreeze import Freezer
+from app.core.metrics import Metrics
+from app.core.problems import field_errors, problem_response
 from app.registry import Registry
-from app.settings import Settings
+from app.security.auth import AuthMiddleware
+from app.security.tokens import router as admin_router
+from app.server import bypass
+from app.server.bypass.fastpath import FastPath
+from app.server.jsonbody import JsonLimitError
+from app.server.middleware import TOO_LARGE, BodyLimitMiddleware, ObserveMiddleware
+from app.server.settings import Settings
 from app.store import Store, Unavailable, create_store
-from app.tokens import router as admin_router
 from app.watch.feed import Feed
 from app.watch.stream import Watchers
 
@@ -180,7 +181,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     # the hot routes' fast path (which reads bodies within the same limit and passes anything
     # larger on); auth before any parsing; ids and metrics around everything.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
-    if settings.fast_path:
+    if settings.fast_path and bypass.unavailable() is None:  # serve() logs why not
         app.add_middleware(
             FastPath,
             routes=[*tp_groups.router.routes, *engines.router.routes],

@@ -2,7 +2,7 @@
 
 One module per measured question, each with ``run(quick) -> dict``:
 
-- :mod:`bench.storm`: launch storm over real HTTP (SQLite, etcd when ``app.store.etcd``
+- :mod:`bench.storm`: launch storm over real HTTP (SQLite, etcd when ``app.store.etcd.store``
   imports), beside the etcd-direct baseline and the framework/client ceilings;
 - :mod:`bench.handshake`: a decode rank resolving a prefill engine and loading its NIXL agents;
 - :mod:`bench.transfer`: NIXL READ bandwidth over DRAM between processes against a memcpy.

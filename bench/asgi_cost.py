@@ -158,9 +158,9 @@ async def _engine_id(app: Any) -> str:
 
 
 async def main(profile: str | None) -> dict[str, float]:
-    from app import logs
+    from app.core import logs
     from app.main import create_app
-    from app.settings import Settings
+    from app.server.settings import Settings
     from bench.minimal import fastapi_app, routes_app
 
     # Logging as the service configures it (one JSON line per request), written nowhere.

@@ -191,10 +191,10 @@ def registry_server(store: str, *, log: Path | None = None) -> Iterator[Server]:
 def etcd_store_available() -> tuple[bool, str]:
     """The etcd rows run when the etcd backend imports and the etcd binary exists."""
     try:
-        import app.store.etcd  # noqa: F401
+        import app.store.etcd.store  # noqa: F401
     except ImportError as exc:
-        return False, f"app.store.etcd does not import ({exc})"
-    from tests.support.etcd import SKIP_REASON, etcd_available
+        return False, f"app.store.etcd.store does not import ({exc})"
+    from harness.etcd import SKIP_REASON, etcd_available
 
     if not etcd_available():
         return False, SKIP_REASON

@@ -2,8 +2,8 @@
 
 Each stream asks what one node's leader asks (`workers.vllm_plugin.node_follow`):
 ``GET /tp-groups?watch=true&revision=N&model=M`` (``role`` too when given), kept by
-`workers.watch.Cursor` (a repeated line is dropped and counted), resumed after a failure at
-the cursor's revision on the next URL after a pause of `workers.backoff.Backoff` with the
+`registry_client.watch.Cursor` (a repeated line is dropped and counted), resumed after a failure at
+the cursor's revision on the next URL after a pause of `registry_client.backoff.Backoff` with the
 node leader's watch settings (full jitter, the first pause in ``[0, WATCH_BASE_S)``), and on
 ``410`` listed again (pages of 500, the same filter) before watching from the list's revision.
 
@@ -32,9 +32,9 @@ from urllib.parse import urlencode
 import aiohttp
 
 from bench.common import summary_ms
-from workers.backoff import Backoff, retry_after
+from registry_client.backoff import Backoff, retry_after
+from registry_client.watch import PAGE, Cursor
 from workers.vllm_plugin.node_follow import WATCH_BASE_S, WATCH_CAP_S
-from workers.watch import PAGE, Cursor
 
 RELIST_CODES = {"revision_compacted", "revision_ahead"}
 CONNECTS_IN_FLIGHT = 256
@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--resume-at-error",
         action="store_true",
-        help="resume from a final ERROR line's revision (workers.watch resumes from the last "
+        help="resume from a final ERROR line's revision (registry_client.watch resumes from the "
+        "last "
         "event's revision minus one)",
     )
     args = parser.parse_args(argv)

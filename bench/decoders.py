@@ -344,7 +344,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--resume-at-error",
         action="store_true",
-        help="the clients resume from a final ERROR line's revision (workers.watch, so the "
+        help="the clients resume from a final ERROR line's revision (registry_client.watch, so the "
         "plugin, resumes from its last event's revision minus one: 410 on a restarted SQLite)",
     )
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import registry_server, say
-from bench.storm import http_storm
+from bench.storm_http import http_storm
 
 
 def _sample(pid: int) -> dict[str, int]:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.ranks.split(",") if n.strip()]
 
-    from tests.support.etcd import EtcdCluster
+    from harness.etcd import EtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="etcd-load-") as name:
         tmp = args.keep or Path(name)

@@ -3,7 +3,7 @@ one etcd lease renewal costs the registry's process, and etcd, three ways in one
 fresh cluster, each at 1, 16 and 64 renewals in flight:
 
 - ``stream_each``: a ``LeaseKeepAlive`` stream opened for each renewal (write, half-close,
-  read, cancel), what the etcd store did before ``app/store/etcd_keepalive.py`` (the
+  read, cancel), what the etcd store did before ``app/store/etcd/keepalive.py`` (the
   baseline);
 - ``pool``: ``EtcdStore.refresh_lease`` as it is (a stream a renewal at a time from the
   member's pool of idle streams, through the store's failover and deadline);
@@ -29,9 +29,9 @@ from typing import Any
 
 from aetcd import rpc
 
-from app.store.etcd import EtcdStore
+from app.store.etcd.store import EtcdStore
 from bench.common import say
-from tests.support.etcd import EtcdCluster
+from harness.etcd import EtcdCluster
 
 LEASES = 500
 

@@ -1,6 +1,6 @@
 """``python -m bench.feed_lag [--ranks 100000] [--quick]``: a replica's watch feed during a
 fleet's launch on a 3-member etcd: how far behind etcd it falls, and what waits in the queue
-between gRPC and the feed (``app/store/etcd_watch.py``, bounded at ``QUEUE_LIMIT`` responses).
+between gRPC and the feed (``app/store/etcd/watch.py``, bounded at ``QUEUE_LIMIT`` responses).
 
 The registry runs as ``bench.fleet`` runs it, in a process of its own, started through this
 module (``python -m bench.feed_lag serve …``, then ``app.cli.main``) with two probes added:
@@ -44,7 +44,7 @@ SAMPLE_S = 0.5
 def serve(argv: list[str]) -> int:
     """The registry's ``serve`` (``argv``: ``python -m app serve …``) with the probes."""
     from app.cli import main
-    from app.store import etcd_watch
+    from app.store.etcd import watch as etcd_watch
     from app.watch import feed as feeds
 
     out = Path(os.environ[OUT_ENV])
@@ -155,7 +155,7 @@ def launch(ranks: int, quick: bool, limit: int | None = None) -> dict[str, Any]:
 
 
 def _limit() -> int:
-    from app.store.etcd_watch import QUEUE_LIMIT
+    from app.store.etcd.watch import QUEUE_LIMIT
 
     return QUEUE_LIMIT
 

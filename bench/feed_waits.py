@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.store import Put, create_store
-from tests.support.feeds import registry_with_feed
+from harness.feeds import registry_with_feed
 
 
 async def one(changes: int, waiters: int) -> float:

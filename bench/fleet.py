@@ -212,7 +212,7 @@ def ceiling(ranks: int, quick: bool, kind: str = "raw") -> dict[str, Any]:
 def _etcd(tmp: Path) -> Iterator[Any]:
     import os
 
-    from tests.support.etcd import EtcdCluster
+    from harness.etcd import EtcdCluster
 
     saved = {k: os.environ.get(k) for k in ETCD_ENV}
     os.environ.update(ETCD_ENV)

@@ -10,10 +10,10 @@ from fastapi import FastAPI
 def app() -> FastAPI:
     import gc
 
-    from app import logs
+    from app.core import logs
     from app.main import create_app
-    from app.server import GC_THRESHOLD
-    from app.settings import Settings
+    from app.server.serve import GC_THRESHOLD
+    from app.server.settings import Settings
 
     gc.set_threshold(*GC_THRESHOLD)  # as the registry's own server sets it
     settings = Settings()

@@ -133,7 +133,7 @@ def _one(system: str, n: int, tmp: Path, tag: str, etcd: str | None) -> dict[str
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    from tests.support.etcd import EtcdCluster, etcd_available
+    from harness.etcd import EtcdCluster, etcd_available
 
     sizes = [256] if quick else [1024, 4096]
     rounds = 1 if quick else ROUNDS

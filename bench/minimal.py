@@ -6,9 +6,9 @@
 - ``raw``: a bare ASGI callable answering a fixed body, to find the load client's own ceiling.
 - ``protocol``: no uvicorn and no ASGI: an asyncio protocol on uvloop parsing requests with
   httptools (what uvicorn parses with) and answering a fixed body in one write; what the
-  registry's hot routes answered in the protocol (app/api/wire.py) cost at least.
+  registry's hot routes answered in the protocol (app/server/bypass/wire.py) cost at least.
 - ``routes``: the framework's floor for the launch storm of ``bench.storm_lean``: the
-  registry's four storm routes with its own request models (``app.schemas``), answering
+  registry's four storm routes with its own request models (``app.core.schemas``), answering
   fixed bodies of the registry's shape, with no storage and no logic.
 """
 
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 # At module level: FastAPI resolves the routes' (string) annotations in this namespace.
-from app.schemas import EngineIdBody, HandshakeRequest, OpenEngineRequest, RegisterAgentRequest
+from app.core.schemas import EngineIdBody, HandshakeRequest, OpenEngineRequest, RegisterAgentRequest
 
 PING = b'{"ok":true}'
 
@@ -133,9 +133,9 @@ def routes_app() -> Any:
 
 
 def uvicorn_options() -> dict[str, Any]:
-    """The registry's own server settings (app/server.py), so ceilings run under them."""
-    from app.server import uvicorn_options as registry_options
-    from app.settings import Settings
+    """The registry's own server settings (app/server/serve.py), so ceilings run under them."""
+    from app.server.serve import uvicorn_options as registry_options
+    from app.server.settings import Settings
 
     return registry_options(Settings())
 
@@ -174,7 +174,7 @@ def serve_protocol(port: int) -> None:
 def main(argv: list[str]) -> int:
     import uvicorn
 
-    from app.server import GC_THRESHOLD
+    from app.server.serve import GC_THRESHOLD
 
     kind, port = argv[0], int(argv[1])
     if kind == "protocol":
@@ -182,7 +182,7 @@ def main(argv: list[str]) -> int:
         serve_protocol(port)
         return 0
     app = {"raw": lambda: raw_app, "fastapi": fastapi_app, "routes": routes_app}[kind]()
-    gc.set_threshold(*GC_THRESHOLD)  # the registry's own process setting (app/server.py)
+    gc.set_threshold(*GC_THRESHOLD)  # the registry's own process setting (app/server/serve.py)
     uvicorn.run(app, host="127.0.0.1", port=port, **uvicorn_options())
     return 0
 

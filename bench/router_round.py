@@ -1,11 +1,12 @@
 """``python -m bench.router_round [--instances 12500] [--rounds 15]``: one router-sync round at
 fleet size, against a real registry and a real vllm-router.
 
-The instances are published through the registry's API (`tests.support.serving_fleet`: TP 1
+The instances are published through the registry's API (`harness.serving_fleet`: TP 1
 groups, half prefill and half decode, one model, ready, published where they serve). Then, in
 this process as ``engine-registry router-sync`` does it: the watch's first list (timed), and
 ``--rounds`` rounds one second apart after a change, each timed in its two parts: what is
-offered (`app.router_sync.offer`) and the sends to the router (`app.router_feed.announce`);
+offered (`registry_client.router_sync.offers.offer`) and the sends to the router
+(`registry_client.router_sync.vllm_router.announce`);
 then ``--rounds`` steady rounds (`Announcer.round` with the groups unchanged: the same list sent
 again, not worked out). The router's own view comes from its log: instances it added and
 expired. Nothing is asserted; the figures are printed as JSON.
@@ -28,11 +29,12 @@ from bench.common import machine, say
 def measure(instances: int, rounds: int) -> dict[str, Any]:
     import zmq
 
-    from app.router_feed import VllmRouter, announce
-    from app.router_sync import Announcer, offer
-    from tests.support.server import RegistryProcess
-    from tests.support.serving_fleet import publish
-    from workers.client import RegistryClient
+    from harness.server import RegistryProcess
+    from harness.serving_fleet import publish
+    from registry_client.client import RegistryClient
+    from registry_client.router_sync.offers import offer
+    from registry_client.router_sync.sync import Announcer
+    from registry_client.router_sync.vllm_router import VllmRouter, announce
     from workers.tools.routers import VllmRouterProcess
 
     tmp = Path(tempfile.mkdtemp(prefix="router-round-"))

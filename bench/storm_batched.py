@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 
 from bench.common import HOST
-from bench.storm import COMPAT, HEARTBEAT_S, TP, TTL_S, HttpStorm
-from bench.storm_core import every_heartbeat
+from bench.storm_core import COMPAT, HEARTBEAT_S, TP, TTL_S, every_heartbeat
+from bench.storm_http import HttpStorm
 
 
 class BatchedStorm(HttpStorm):

@@ -12,7 +12,7 @@ The same storm against:
 
 - the registry (its default SQLite store);
 - the framework's floor: a FastAPI app with the same four routes and the same request models
-  (``app.schemas``) but no storage and no logic, on the registry's uvicorn settings
+  (``app.core.schemas``) but no storage and no logic, on the registry's uvicorn settings
   (``python -m bench.minimal routes PORT``): what the storm costs before any registry work;
 - etcd direct (aetcd, 64 calls in flight): put the engine key, get it, grant a lease and put
   the blob on it per agent, one range get of the group's agents per handshake;

@@ -163,7 +163,7 @@ async def _ceiling_server(port: int) -> None:
 
 
 def fanout(watchers: int, changes: int) -> dict[str, Any]:
-    from tests.support.etcd import EtcdCluster, etcd_available
+    from harness.etcd import EtcdCluster, etcd_available
 
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-watch-") as tmp:

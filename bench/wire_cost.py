@@ -3,7 +3,8 @@
 whole server path, in this process, without sockets.
 
 The registry's own app and server pieces (``create_app``, ``RegistryConfig``: uvicorn's
-protocol class with the wire path of app/api/wire.py, the lifespan with a real SQLite store in
+protocol class with the wire path of app/server/bypass/wire.py, the lifespan with a real SQLite
+store in
 a temporary directory), N TP 8 groups opened and registered through the protocol as the fleet
 benchmark does (``bench/fleet_load.py``'s bodies, 3,928-byte blobs of 80 regions), then 7
 rounds of 5,000 node heartbeats of random groups, each fed to a connection's protocol as the
@@ -90,8 +91,8 @@ async def measure(
     from uvicorn.server import ServerState
 
     from app.main import create_app
-    from app.server import RegistryConfig, uvicorn_options
-    from app.settings import Settings
+    from app.server.serve import RegistryConfig, uvicorn_options
+    from app.server.settings import Settings
 
     with tempfile.TemporaryDirectory(prefix="wire-cost-") as tmp:
         settings = Settings(store=f"sqlite:///{Path(tmp) / 'registry.db'}")

@@ -16,6 +16,7 @@ RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY app ./app
+COPY registry_client ./registry_client
 COPY workers ./workers
 # vLLM brings its own torch; the project comes without extras (its `workers` extra pins the
 # CPU torch of the default image). The entry point check fails the build if vLLM would not

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import RegistryProcess
+from harness.server import RegistryProcess
 
 
 @pytest.fixture

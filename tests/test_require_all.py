@@ -64,14 +64,15 @@ def test_the_same_skip_is_a_skip_on_a_developers_machine(tmp_path: Path) -> None
     assert "1 skipped" in lenient.stdout
 
 
-def test_the_service_imports_no_torch_nixl_or_workers_code() -> None:
-    # but the one back-off policy (workers/backoff.py: the standard library only), which the
-    # service's watch feed shares with every client loop
+def test_the_service_imports_no_torch_nixl_workers_or_router_sync_code() -> None:
+    # It shares the torch-free client package's compat rule, back-off policy and TLS files
+    # (registry_client), never the worker runtime (workers), nor router-sync's ZMQ and msgpack.
     probe = (
-        "import sys, app.main, app.cli, app.server, app.store.sqlite, app.store.etcd;"
-        "shared = {'workers', 'workers.backoff'};"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'nixl', 'workers'}"
-        " and m not in shared);"
+        "import sys, app.main, app.cli, app.server.serve, app.store.sqlite.store, "
+        "app.store.etcd.store;"
+        "banned = {'torch', 'nixl', 'workers', 'zmq', 'msgpack'};"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned"
+        " or m.startswith('registry_client.router_sync'));"
         "print(bad); sys.exit(1 if bad else 0)"
     )
     done = subprocess.run(

@@ -23,10 +23,8 @@ from typing import Any
 
 import torch
 
-from workers import launch
-from workers.client import RegistryClient
-from workers.endpoint import NixlEndpoint, RemoteRead
-from workers.errors import (
+from registry_client.client import RegistryClient
+from registry_client.errors import (
     EngineIdentityError,
     EngineSuperseded,
     Incompatible,
@@ -37,8 +35,10 @@ from workers.errors import (
     TransferError,
     VerificationError,
 )
+from registry_client.models import Compat, Handshake, KvSpec
+from workers import launch
+from workers.endpoint import NixlEndpoint, RemoteRead
 from workers.kv import KvLayout, ReadOp, kv_spec, plan_reads, verify
-from workers.models import Compat, Handshake, KvSpec
 from workers.settings import DecodeSettings, parse_decode
 
 log = logging.getLogger("workers.decode")

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from workers.errors import TransferError
-from workers.models import Target
+from registry_client.errors import TransferError
+from registry_client.models import Target
 from workers.publication import BatchPublication, Publication
 
 log = logging.getLogger(__name__)

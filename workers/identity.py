@@ -32,8 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from workers.client import RegistryClient
-from workers.errors import (
+from registry_client.client import RegistryClient
+from registry_client.errors import (
     EngineIdentityError,
     EngineSuperseded,
     Forbidden,
@@ -43,8 +43,8 @@ from workers.errors import (
     RegistryUnavailable,
     Unauthorized,
 )
-from workers.models import Compat, Role
-from workers.models import EngineIdentity as EngineIdentity  # its home before models
+from registry_client.models import Compat, Role
+from registry_client.models import EngineIdentity as EngineIdentity  # its home before models
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.models import Compat, KvSpec
+from registry_client.models import Compat, KvSpec
 
 _M31 = (1 << 31) - 1
 

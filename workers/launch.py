@@ -25,7 +25,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from workers.client import RegistryClient
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdentityError, EngineIdMismatch
+from registry_client.models import AgentItem, KvSpec, Role
 from workers.endpoint import (
     NixlEndpoint,
     Publication,
@@ -33,7 +35,6 @@ from workers.endpoint import (
     check_host_for_group,
     stop_on_signals,
 )
-from workers.errors import EngineIdentityError, EngineIdMismatch
 from workers.identity import (
     EngineIdentity,
     agree,
@@ -42,7 +43,6 @@ from workers.identity import (
     sync_engine_id,
 )
 from workers.kv import KvLayout
-from workers.models import AgentItem, KvSpec, Role
 from workers.node import RankPublication, publish_per_node, verdict_of
 from workers.settings import WorkerSettings
 

@@ -35,10 +35,10 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from workers.client import RegistryClient
-from workers.errors import EngineIdentityError, EngineIdMismatch, RegistryError
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdentityError, EngineIdMismatch, RegistryError
+from registry_client.models import AgentItem
 from workers.identity import EngineIdentity, agree
-from workers.models import AgentItem
 from workers.publication import BatchPublication
 
 log = logging.getLogger(__name__)

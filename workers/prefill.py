@@ -13,9 +13,9 @@ import sys
 import threading
 import time
 
+from registry_client.errors import EngineIdentityError, EngineIdMismatch
 from workers import launch
 from workers.endpoint import NixlEndpoint
-from workers.errors import EngineIdentityError, EngineIdMismatch
 from workers.kv import fill, kv_spec
 from workers.settings import PrefillSettings, parse_prefill
 

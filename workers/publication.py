@@ -13,7 +13,7 @@ The loop's rules are the same for both: a heartbeat every `ttl_s * fraction` sec
 launch superseded the engine) stop, log loudly, set `superseded` and call `on_superseded`:
 a rank of an old launch must not keep serving under an id the registry no longer vouches for.
 Any other failure (the registry unreachable, a 503) is logged and the next heartbeat tries
-again sooner than the interval, after a pause of `workers.backoff` (full jitter from 1 s,
+again sooner than the interval, after a pause of `registry_client.backoff` (full jitter from 1 s,
 doubling up to the interval, at least the registry's `Retry-After`), so that the nodes of a
 fleet that lost their registry come back spread out: an outage shorter than the lease costs
 nothing, and a longer one ends in a 404 and a new registration. The client retries each call
@@ -30,10 +30,10 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from workers.backoff import Backoff
-from workers.client import RegistryClient
-from workers.errors import EngineIdMismatch, NotFound, RegistryError
-from workers.models import AgentItem, EngineIdentity, KvSpec
+from registry_client.backoff import Backoff
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdMismatch, NotFound, RegistryError
+from registry_client.models import AgentItem, EngineIdentity, KvSpec
 
 log = logging.getLogger(__name__)
 

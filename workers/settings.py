@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry_client.tls import ClientTLS
 from workers import config
-from workers.tls import ClientTLS
 
 # Flags kept from before the flags were derived from the fields (they come first in --help).
 FLAG_ALIASES = {"registry_url": ["--registry"], "registry_token": ["--token"]}

@@ -7,10 +7,10 @@ from typing import Annotated
 from fastapi import Depends, Path, Request, Response
 from pydantic import BaseModel
 
-from app.errors import PayloadTooLarge
-from app.middleware import TOO_LARGE
+from app.core.errors import PayloadTooLarge
+from app.core.schemas import GROUP_ID_PATTERN, MAX_TP_SIZE
 from app.registry import Registry
-from app.schemas import GROUP_ID_PATTERN, MAX_TP_SIZE
+from app.server.middleware import TOO_LARGE
 
 
 async def get_registry(request: Request) -> Registry:

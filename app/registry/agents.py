@@ -4,31 +4,25 @@ from __future__ import annotations
 
 import time
 
-from app.addresses import parse_host
-from app.credentials import ACTOR
-from app.errors import (
+from app.core.addresses import parse_host
+from app.core.errors import (
     FieldPath,
     FieldProblem,
     InvalidRequest,
     StoreUnavailable,
 )
-from app.registry.records import (
-    MAX_ATTEMPTS,
-    AgentRecord,
-    _agent_key,
-    _blob_key,
-    _dump,
-    _engine_key,
-)
-from app.registry.renewals import RenewalsMixin
-from app.schemas import (
+from app.core.schemas import (
     Agent,
     Heartbeat,
     RegisterAgentRequest,
     blob_of,
 )
+from app.core.timefmt import utc_iso
+from app.registry import keys
+from app.registry.records import MAX_ATTEMPTS, AgentRecord
+from app.registry.renewals import RenewalsMixin
+from app.security.credentials import ACTOR
 from app.store import Compare, Delete, Put
-from app.timefmt import utc_iso
 
 
 class AgentsMixin(RenewalsMixin):
@@ -56,21 +50,21 @@ class AgentsMixin(RenewalsMixin):
                 lease=lease.id,
                 registered_by=ACTOR.get(),
             )
-            value = _dump(record)
+            value = keys.dump(record)
             result = await self.store.txn(
                 [
-                    Compare(_engine_key(gid), state.engine_revision),
-                    Compare(_agent_key(gid, rank), state.agent_revisions.get(rank, 0)),
+                    Compare(keys.engine(gid), state.engine_revision),
+                    Compare(keys.agent(gid, rank), state.agent_revisions.get(rank, 0)),
                 ],
                 [
-                    Put(_agent_key(gid, rank), value, lease=lease.id),
-                    Put(_blob_key(gid, rank), blob, lease=lease.id),
+                    Put(keys.agent(gid, rank), value, lease=lease.id),
+                    Put(keys.blob(gid, rank), blob, lease=lease.id),
                 ],
             )
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
                 continue
-            self.decoded.remember(_agent_key(gid, rank), result.revision, record, len(value))
+            self.decoded.remember(keys.agent(gid, rank), result.revision, record, len(value))
             await self.release_leases(state, {rank})
             return self._agent_view(record, now + lease.remaining_s), old is None
         raise StoreUnavailable(f"Registering rank {rank} of {gid!r} lost too many races.")
@@ -107,8 +101,8 @@ class AgentsMixin(RenewalsMixin):
             if agent is None:
                 raise self._absent(gid, rank)
             result = await self.store.txn(
-                [Compare(_agent_key(gid, rank), state.agent_revisions[rank])],
-                [Delete(_agent_key(gid, rank)), Delete(_blob_key(gid, rank))],
+                [Compare(keys.agent(gid, rank), state.agent_revisions[rank])],
+                [Delete(keys.agent(gid, rank)), Delete(keys.blob(gid, rank))],
             )
             if result.succeeded:
                 await self.release_leases(state, {rank})

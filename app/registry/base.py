@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from app.errors import (
+from app.core.errors import (
     EngineIdMismatch,
     EngineSuperseded,
     FieldPath,
@@ -15,23 +15,16 @@ from app.errors import (
     InvalidRequest,
     NotFound,
 )
-from app.events import EventLog
-from app.metrics import Metrics
-from app.observer import Observer
-from app.registry.kept_states import KeptStates
-from app.registry.records import (
-    AgentRecord,
-    Decoded,
-    EngineRecord,
-    IndexRecord,
-    _agent_key,
-    _engine_key,
-    _group_prefix,
-)
-from app.registry.state import GroupState
-from app.schemas import (
+from app.core.metrics import Metrics
+from app.core.schemas import (
     Engine,
 )
+from app.registry import keys
+from app.registry.events import EventLog
+from app.registry.kept_states import KeptStates
+from app.registry.observer import Observer
+from app.registry.records import AgentRecord, Decoded, EngineRecord, IndexRecord
+from app.registry.state import GroupState
 from app.store import Entry, Store
 
 # How long an operator's read of every group (the status page, /metrics) waits for the watch
@@ -120,7 +113,7 @@ class RegistryBase:
         return state
 
     async def _group_or_none(self, gid: str, *, settled: bool = True) -> GroupState | None:
-        snap = await self.store.range(_group_prefix(gid), settled=settled)
+        snap = await self.store.range(keys.group_prefix(gid), settled=settled)
         return GroupState.read(snap, gid, self.decoded)
 
     async def get_engine(self, gid: str, wait_ready_s: float | None = None) -> Engine:
@@ -132,7 +125,7 @@ class RegistryBase:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            await self._wait_change(_group_prefix(gid), state.revision, remaining)
+            await self._wait_change(keys.group_prefix(gid), state.revision, remaining)
             state = await self._group(gid)
         return state.view()
 
@@ -194,7 +187,7 @@ class RegistryBase:
                 "deleted). Check that the decode and the prefill use the same registry."
             )
         state = GroupState.read(
-            await self.store.range(_group_prefix(index.group_id)), index.group_id, self.decoded
+            await self.store.range(keys.group_prefix(index.group_id)), index.group_id, self.decoded
         )
         if state is None:
             raise NotFound(f"engine_id {engine_id!r} belonged to a group that was deleted.")
@@ -278,13 +271,13 @@ class RegistryBase:
         with no live agent, the engine and that rank's key only (two lookups instead of
         decoding the whole group); a live agent's lease must be weighed against the other
         ranks' (``release_leases``), so then the whole group."""
-        entry = await self.store.get(_engine_key(gid), settled=False)
+        entry = await self.store.get(keys.engine(gid), settled=False)
         if entry is None:
             return None
         engine = self.decoded.record(entry, EngineRecord)
         if rank >= engine.tp_size or engine_id != engine.engine_id:
             return None
-        agent = await self.store.get(_agent_key(gid, rank), settled=False)
+        agent = await self.store.get(keys.agent(gid, rank), settled=False)
         if agent is None or self.decoded.record(agent, AgentRecord).engine_id != engine_id:
             revisions = {} if agent is None else {rank: agent.mod_revision}
             revision = max([entry.mod_revision, *revisions.values()])

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import time
 
-from app.credentials import ACTOR
-from app.errors import StoreUnavailable
+from app.core.errors import StoreUnavailable
+from app.core.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest, blob_of
+from app.core.timefmt import utc_iso
+from app.registry import keys
 from app.registry.agents import AgentsMixin, _check_reachable
 from app.registry.base import outside_group
-from app.registry.records import (
-    MAX_ATTEMPTS,
-    AgentRecord,
-    _agent_key,
-    _blob_key,
-    _dump,
-    _engine_key,
-)
-from app.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest, blob_of
+from app.registry.records import MAX_ATTEMPTS, AgentRecord
+from app.security.credentials import ACTOR
 from app.store import Compare, Put
-from app.timefmt import utc_iso
 
 
 class BatchesMixin(AgentsMixin):
@@ -72,17 +66,17 @@ class BatchesMixin(AgentsMixin):
                 )
                 for item in req.agents
             ]
-            compares = [Compare(_engine_key(gid), state.engine_revision)] + [
-                Compare(_agent_key(gid, r.rank), state.agent_revisions.get(r.rank, 0))
+            compares = [Compare(keys.engine(gid), state.engine_revision)] + [
+                Compare(keys.agent(gid, r.rank), state.agent_revisions.get(r.rank, 0))
                 for r in records
             ]
-            values = [_dump(record) for record in records]
+            values = [keys.dump(record) for record in records]
             ops = [
                 op
                 for record, value, blob in zip(records, values, blobs, strict=True)
                 for op in (
-                    Put(_agent_key(gid, record.rank), value, lease=lease.id),
-                    Put(_blob_key(gid, record.rank), blob, lease=lease.id),
+                    Put(keys.agent(gid, record.rank), value, lease=lease.id),
+                    Put(keys.blob(gid, record.rank), blob, lease=lease.id),
                 )
             ]
             result = await self.store.txn(compares, ops)
@@ -91,7 +85,7 @@ class BatchesMixin(AgentsMixin):
                 continue
             for record, value in zip(records, values, strict=True):
                 self.decoded.remember(
-                    _agent_key(gid, record.rank), result.revision, record, len(value)
+                    keys.agent(gid, record.rank), result.revision, record, len(value)
                 )
             batch = {r.rank for r in records}
             await self.release_leases(state, batch)
@@ -113,7 +107,8 @@ class BatchesMixin(AgentsMixin):
         self, gid: str, engine_id: str, ranks: list[int]
     ) -> list[tuple[int, str]]:
         """A batch heartbeat: each rank with its lease's new expiry (the fast path writes it as
-        ``Heartbeats`` does, without a model a rank: ``app.api.fastpath.heartbeats_json``)."""
+        ``Heartbeats`` does, without a model a rank:
+        ``app.server.bypass.fastpath.heartbeats_json``)."""
         renewed = await self._renewals(gid, ranks, engine_id)
         now = time.time()
         expiry = {lease.id: utc_iso(now + lease.remaining_s) for lease in renewed.values()}

@@ -6,32 +6,24 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from app import compat as compat_rules
-from app.budgets import clip
-from app.credentials import ACTOR
-from app.errors import (
+from app.core.budgets import clip
+from app.core.errors import (
     GroupConflict,
     LaunchSuperseded,
     StoreUnavailable,
 )
-from app.registry.base import RegistryBase
-from app.registry.records import (
-    MAX_ATTEMPTS,
-    EngineRecord,
-    IndexRecord,
-    _agent_prefix,
-    _dump,
-    _engine_key,
-    _group_prefix,
-    _serving_key,
-)
-from app.registry.state import GroupState
-from app.schemas import (
+from app.core.schemas import (
     Engine,
     OpenEngineRequest,
 )
+from app.core.timefmt import utc_iso
+from app.registry import keys
+from app.registry.base import RegistryBase
+from app.registry.records import MAX_ATTEMPTS, EngineRecord, IndexRecord
+from app.registry.state import GroupState
+from app.security.credentials import ACTOR
 from app.store import Compare, Delete, Put, Unavailable
-from app.timefmt import utc_iso
+from registry_client import compat as compat_rules
 
 
 class EnginesMixin(RegistryBase):
@@ -44,7 +36,7 @@ class EnginesMixin(RegistryBase):
             if opened is not None:
                 return opened, True
         for _ in range(MAX_ATTEMPTS):
-            snap = await self.store.range(_group_prefix(gid))
+            snap = await self.store.range(keys.group_prefix(gid))
             state = GroupState.read(snap, gid, self.decoded)
             if state is not None and state.engine.launch_id == req.launch_id:
                 self._check_same_launch(gid, state.engine, req)
@@ -89,11 +81,11 @@ class EnginesMixin(RegistryBase):
         if seen is None or not seen.following:
             return None
         group = seen.groups.get(gid, {})
-        entry = group.get(_engine_key(gid))
+        entry = group.get(keys.engine(gid))
         current = None if entry is None else self.decoded.record(entry, EngineRecord)
         if current is not None and current.launch_id == req.launch_id:
             return None
-        agents = _agent_prefix(gid)
+        agents = keys.agent_prefix(gid)
         leases = [self.decoded.brief(e).lease for k, e in group.items() if k.startswith(agents)]
         revision = 0 if entry is None else entry.mod_revision
         return await self._write_open(gid, req, current, revision, leases)
@@ -121,17 +113,17 @@ class EnginesMixin(RegistryBase):
             opened_by=ACTOR.get(),
         )
         index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
-        engine_json, index_json = _dump(engine), _dump(index)
+        engine_json, index_json = keys.dump(engine), keys.dump(index)
         launch_key = _launch_key(gid, req.launch_id)
         result = await self.store.txn(
-            [Compare(_engine_key(gid), engine_revision), Compare(launch_key, 0)],
+            [Compare(keys.engine(gid), engine_revision), Compare(launch_key, 0)],
             [
-                Put(_engine_key(gid), engine_json),
+                Put(keys.engine(gid), engine_json),
                 Put(launch_key, index_json),
                 Put(f"engines/{engine.engine_id}", index_json),
-                Delete(_agent_prefix(gid), prefix=True),
+                Delete(keys.agent_prefix(gid), prefix=True),
                 Delete(f"blobs/{gid}/", prefix=True),
-                Delete(_serving_key(gid)),  # the old launch's instance serves no more
+                Delete(keys.serving(gid)),  # the old launch's instance serves no more
             ],
         )
         if not result.succeeded:
@@ -139,7 +131,7 @@ class EnginesMixin(RegistryBase):
         self.decoded.forget(gid, keep_engines=True)  # its agents and blobs are gone
         if current is not None:
             self.events.forget_engines([current.engine_id])
-        self.decoded.remember(_engine_key(gid), result.revision, engine, len(engine_json))
+        self.decoded.remember(keys.engine(gid), result.revision, engine, len(engine_json))
         self.decoded.remember(
             f"engines/{engine.engine_id}", result.revision, index, len(index_json)
         )
@@ -166,10 +158,10 @@ class EnginesMixin(RegistryBase):
             diffs.append(f"role {req.role!r} (open engine has {current.role!r})")
         if req.compat is not None and not compat_rules.equal(current.compat, req.compat):
             differ = [m["field"] for m in compat_rules.mismatches(current.compat, req.compat)]
-            keys = sorted(current.compat.keys() ^ req.compat.keys())
+            one_sided = sorted(current.compat.keys() ^ req.compat.keys())
             diffs.append(
                 f"compat differs (values of {', '.join(map(repr, differ)) or 'none'}; keys in "
-                f"one side only: {', '.join(repr(clip(k, 32)) for k in keys) or 'none'})"
+                f"one side only: {', '.join(repr(clip(k, 32)) for k in one_sided) or 'none'})"
             )
         if diffs:
             raise GroupConflict(
@@ -188,12 +180,12 @@ class EnginesMixin(RegistryBase):
             }
             engine_ids.add(state.engine.engine_id)
             ops = [
-                Delete(_group_prefix(gid), prefix=True),
+                Delete(keys.group_prefix(gid), prefix=True),
                 Delete(f"launches/{gid}/", prefix=True),
                 Delete(f"blobs/{gid}/", prefix=True),
                 *(Delete(f"engines/{eid}") for eid in sorted(engine_ids) if eid),
             ]
-            result = await self.store.txn([Compare(_engine_key(gid), state.engine_revision)], ops)
+            result = await self.store.txn([Compare(keys.engine(gid), state.engine_revision)], ops)
             if result.succeeded:
                 self.decoded.forget(gid)  # nothing is kept for a group that is gone
                 self.events.forget_engines(engine_ids)

@@ -5,26 +5,27 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from app import compat as compat_rules
-from app.budgets import clip
-from app.errors import (
+from app.core.budgets import clip
+from app.core.errors import (
     FieldProblem,
     Incompatible,
     InvalidRequest,
     NotFound,
     NotReady,
 )
-from app.registry.base import RegistryBase
-from app.registry.records import AgentRecord, EngineRecord, _blob_key, _engine_key
-from app.registry.state import GroupState
-from app.schemas import (
+from app.core.schemas import (
     Handshake,
     HandshakeRequest,
     Target,
 )
+from app.core.timefmt import utc_iso
+from app.registry import keys
+from app.registry.base import RegistryBase
+from app.registry.records import AgentRecord, EngineRecord
+from app.registry.state import GroupState
+from app.registry.topology import TopologyError, plan_targets
 from app.store import Entry
-from app.timefmt import utc_iso
-from app.topology import TopologyError, plan_targets
+from registry_client import compat as compat_rules
 
 
 class HandshakesMixin(RegistryBase):
@@ -113,7 +114,7 @@ class HandshakesMixin(RegistryBase):
         handshake event records is this, never the request's word."""
         assert req.decode is not None
         gid = req.decode.group_id
-        entry = await self.store.get(_engine_key(gid))
+        entry = await self.store.get(keys.engine(gid))
         if entry is None:
             raise NotFound(
                 f"the decode group {gid!r} this handshake names (decode.group_id) does not "
@@ -142,10 +143,10 @@ class HandshakesMixin(RegistryBase):
         """The metadata blobs of ``ranks``: a get each for a few, one range read for many
         (linear in the number of targets either way)."""
         if len(ranks) == 1:
-            blob = await self.store.get(_blob_key(gid, ranks[0]))
+            blob = await self.store.get(keys.blob(gid, ranks[0]))
             return {} if blob is None else {ranks[0]: blob}
         if len(ranks) <= 8:
-            found = await asyncio.gather(*(self.store.get(_blob_key(gid, r)) for r in ranks))
+            found = await asyncio.gather(*(self.store.get(keys.blob(gid, r)) for r in ranks))
             return {r: b for r, b in zip(ranks, found, strict=True) if b is not None}
         wanted = set(ranks)
         by_rank = {}

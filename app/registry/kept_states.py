@@ -13,7 +13,8 @@ expiry (the read's instant plus its lease's time left, a full ``ttl_s`` for a le
 does not know, as ``GroupState.read`` computes it) and the read's revision. The kept state's
 engine, agents and revisions are shared, never changed (no code changes a ``GroupState``);
 sharing the agents is also how the observer tells a group that did not change
-(``app/observer.py``). ``tests/app/registry/test_kept_states.py`` checks the kept states equal
+(``app/registry/observer.py``). ``tests/app/registry/test_kept_states.py`` checks the kept
+states equal
 fresh reads through a group's changes.
 """
 
@@ -22,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.registry.records import Decoded, _agent_prefix
+from app.registry import keys
+from app.registry.records import Decoded
 from app.registry.state import GroupState
 from app.store import Entry, Snapshot
 
@@ -70,7 +72,7 @@ class KeptStates:
             if state is None:
                 self._kept.pop(gid, None)
                 return None
-            prefix = _agent_prefix(gid)
+            prefix = keys.agent_prefix(gid)
             briefs = [decoded.brief(e) for e in entries if e.key.startswith(prefix)]
             leases = [(a.rank, a.lease, float(a.ttl_s)) for a in briefs]
             self._kept[gid] = _Kept(version, state, leases)

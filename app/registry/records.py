@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from app.schemas import (
+from app.core.schemas import (
     Role,
 )
 from app.store import Entry
@@ -30,7 +30,9 @@ class EngineRecord(BaseModel):
     role: Role
     compat: dict[str, Any]
     created_at: str
-    opened_by: str | None = None  # the name of the token that opened it (app/credentials.py)
+    opened_by: str | None = (
+        None  # the name of the token that opened it (app/security/credentials.py)
+    )
 
 
 class AgentBrief(BaseModel):
@@ -72,34 +74,6 @@ class IndexRecord(BaseModel):
     group_id: str
     generation: int
     engine_id: str = ""
-
-
-def _engine_key(gid: str) -> str:
-    return f"groups/{gid}/engine"
-
-
-def _group_prefix(gid: str) -> str:
-    return f"groups/{gid}/"
-
-
-def _serving_key(gid: str) -> str:
-    return f"groups/{gid}/serving"
-
-
-def _agent_prefix(gid: str) -> str:
-    return f"groups/{gid}/agents/"
-
-
-def _agent_key(gid: str, rank: int) -> str:
-    return f"groups/{gid}/agents/{rank:05d}"
-
-
-def _blob_key(gid: str, rank: int) -> str:
-    return f"blobs/{gid}/{rank:05d}"
-
-
-def _dump(model: BaseModel) -> bytes:
-    return model.model_dump_json().encode()
 
 
 RECORDS_BYTES = 64 * 1024 * 1024  # parsed agent records kept, by the size of their stored JSON

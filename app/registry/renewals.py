@@ -18,16 +18,10 @@ range read, which answers or refuses as before):
 
 from __future__ import annotations
 
-from app.errors import FieldPath
+from app.core.errors import FieldPath
+from app.registry import keys
 from app.registry.base import RegistryBase, _no_group, outside_group
-from app.registry.records import (
-    AgentBrief,
-    EngineRecord,
-    _agent_key,
-    _agent_prefix,
-    _engine_key,
-    _group_prefix,
-)
+from app.registry.records import AgentBrief, EngineRecord
 from app.registry.state import GroupState
 from app.store import Entry, Lease
 
@@ -108,8 +102,8 @@ class RenewalsMixin(RegistryBase):
             memo = self._renewal_memo = {}
         asked = (gid, engine_id, tuple(ranks))
         kept = memo.get(asked)
-        keys = kept[0] if kept else [_engine_key(gid), *(_agent_key(gid, r) for r in ranks)]
-        entries = self.store.peek(keys)
+        wanted = kept[0] if kept else [keys.engine(gid), *(keys.agent(gid, r) for r in ranks)]
+        entries = self.store.peek(wanted)
         if entries is None:
             return None
         if kept is not None and all(a is b for a, b in zip(entries, kept[1], strict=True)):
@@ -118,7 +112,7 @@ class RenewalsMixin(RegistryBase):
         if leases is not None:
             if len(memo) >= MEMO_NODES:
                 memo.clear()
-            memo[asked] = (keys, entries, leases)
+            memo[asked] = (wanted, entries, leases)
         return leases
 
     def _leases_seen(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
@@ -126,7 +120,7 @@ class RenewalsMixin(RegistryBase):
         group = self.seen.groups.get(gid) if self.seen is not None else None
         if group is None:
             return None
-        entries = [group.get(_engine_key(gid)), *(group.get(_agent_key(gid, r)) for r in ranks)]
+        entries = [group.get(keys.engine(gid)), *(group.get(keys.agent(gid, r)) for r in ranks)]
         return self._leases_in(entries, ranks, engine_id)
 
     async def _renewed_as_seen(
@@ -153,8 +147,8 @@ class RenewalsMixin(RegistryBase):
         """For a heartbeat: the lease of each of ``ranks`` (a live agent of ``engine_id``),
         refused as ``_current`` refuses; read from the agents' briefs, no ``GroupState``
         (a node's heartbeat at fleet scale is the registry's commonest request)."""
-        snap = await self.store.range(_group_prefix(gid))
-        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
+        snap = await self.store.range(keys.group_prefix(gid))
+        engine_key, agent_prefix = keys.engine(gid), keys.agent_prefix(gid)
         engine: EngineRecord | None = None
         briefs: list[AgentBrief] = []
         for entry in snap.entries:

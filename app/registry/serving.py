@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import time
 
-from app.credentials import ACTOR
-from app.errors import StoreUnavailable
+from app.core.errors import StoreUnavailable
+from app.core.schemas import Engine, ServingRequest
+from app.core.timefmt import utc_iso
+from app.registry import keys
 from app.registry.base import RegistryBase
-from app.registry.records import MAX_ATTEMPTS, ServingRecord, _dump, _engine_key, _serving_key
+from app.registry.records import MAX_ATTEMPTS, ServingRecord
 from app.registry.state import GroupState
-from app.schemas import Engine, ServingRequest
+from app.security.credentials import ACTOR
 from app.store import Compare, Delete, Put
-from app.timefmt import utc_iso
 
 
 class ServingMixin(RegistryBase):
@@ -33,8 +34,8 @@ class ServingMixin(RegistryBase):
                 published_by=ACTOR.get(),
             )
             result = await self.store.txn(
-                [Compare(_engine_key(gid), state.engine_revision)],
-                [Put(_serving_key(gid), _dump(record))],
+                [Compare(keys.engine(gid), state.engine_revision)],
+                [Put(keys.serving(gid), keys.dump(record))],
             )
             if result.succeeded:
                 state.serving, state.serving_revision = record, result.revision
@@ -50,8 +51,8 @@ class ServingMixin(RegistryBase):
             if state.serving is None:
                 return
             result = await self.store.txn(
-                [Compare(_engine_key(gid), state.engine_revision)],
-                [Delete(_serving_key(gid))],
+                [Compare(keys.engine(gid), state.engine_revision)],
+                [Delete(keys.serving(gid))],
             )
             if result.succeeded:
                 return

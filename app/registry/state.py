@@ -5,6 +5,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from app.core.schemas import (
+    AgentSummary,
+    Engine,
+    Serving,
+)
+from app.core.timefmt import utc_iso
+from app.registry import keys
 from app.registry.records import (
     _UNCACHED,
     AgentBrief,
@@ -12,17 +19,8 @@ from app.registry.records import (
     Decoded,
     EngineRecord,
     ServingRecord,
-    _agent_prefix,
-    _engine_key,
-    _serving_key,
-)
-from app.schemas import (
-    AgentSummary,
-    Engine,
-    Serving,
 )
 from app.store import Snapshot
-from app.timefmt import utc_iso
 
 
 @dataclass
@@ -51,8 +49,8 @@ class GroupState:
         serving: ServingRecord | None = None
         serving_revision = 0
         now = snap.read_at
-        engine_key, agent_prefix = _engine_key(gid), _agent_prefix(gid)
-        serving_key = _serving_key(gid)
+        engine_key, agent_prefix = keys.engine(gid), keys.agent_prefix(gid)
+        serving_key = keys.serving(gid)
         for entry in snap.entries:
             if entry.key == engine_key:
                 engine = decoded.record(entry, EngineRecord)

@@ -28,7 +28,7 @@ from app.store.base import (
     TxnResult,
     Unavailable,
 )
-from app.store.etcd_config import EtcdAccess, redact
+from app.store.etcd.config import EtcdAccess, redact
 
 __all__ = [
     "ChangeBatch",
@@ -53,9 +53,9 @@ __all__ = [
 
 # scheme → the module whose BACKEND parses its URLs and opens its stores.
 _BACKENDS = {
-    "sqlite": "app.store.sqlite_url",
-    "etcd": "app.store.etcd_config",
-    "etcds": "app.store.etcd_config",
+    "sqlite": "app.store.sqlite",
+    "etcd": "app.store.etcd",
+    "etcds": "app.store.etcd",
 }
 _EXPECTED = (
     "expected sqlite:///path/to/registry.db, etcd://host:port[,host:port…]/prefix "
@@ -91,7 +91,7 @@ def create_store(
     ``etcd``: TLS files and credentials for an ``etcds://`` store; ``history``: revisions of
     changes a SQLite store keeps for watches (etcd keeps its own)."""
     options = StoreOptions(
-        timeout_s=timeout_s, sweep_interval_s=sweep_interval_s, etcd=etcd, history=history
+        timeout_s=timeout_s, sweep_interval_s=sweep_interval_s, access=etcd, history=history
     )
     found = backend(url)
     found.check_url(url)

@@ -22,17 +22,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from app.store.etcd_config import EtcdAccess
 
 
 class Unavailable(Exception):
     """The store cannot answer now, within its deadline (a stalled or full disk, a lost etcd
     quorum, a refused connection): the caller may retry later. A storage-level error, with
     nothing of HTTP in it; the service's edge answers it as ``503 store_unavailable``
-    (``app.errors.StoreUnavailable``). Its message names the cause and the fix."""
+    (``app.core.errors.StoreUnavailable``). Its message names the cause and the fix."""
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
@@ -231,7 +227,9 @@ class StoreOptions:
 
     timeout_s: float = 10.0
     sweep_interval_s: float = 1.0  # SQLite: how often expired leases are purged
-    etcd: EtcdAccess | None = None  # etcd: TLS files and credentials
+    # A backend's own access settings, which this interface does not name (etcd: TLS files and
+    # credentials, an `app.store.etcd.config.EtcdAccess`; the backend checks the type).
+    access: object = None
     history: int = 10_000  # SQLite: revisions of changes kept for watches
 
 

@@ -4,7 +4,7 @@
 The feed keeps every group's stored entries as of its ``progress`` (the store revision up to
 which it has applied every change), turns each store revision's changes into one event per
 group touched (ADDED, MODIFIED, DELETED with the group's engine as the API shows it),
-appends them to a bounded :class:`EventLog`, and wakes the watchers. The same revision gives
+appends them to a bounded :class:`ChangeLog`, and wakes the watchers. The same revision gives
 the same events on every replica of an etcd store, which is what lets a watcher resume on
 another replica at its last revision.
 
@@ -24,13 +24,14 @@ import time
 
 from sortedcontainers import SortedList
 
-from app.registry.records import Decoded, EngineRecord, _engine_key
+from app.core.schemas import Engine
+from app.registry import keys
+from app.registry.records import Decoded, EngineRecord
 from app.registry.state import GroupState
-from app.schemas import Engine
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
-from app.watch.history import ENTRY_BYTES, EVENT_BASE_BYTES, EventLog, Group, GroupEvent
+from app.watch.history import ENTRY_BYTES, EVENT_BASE_BYTES, ChangeLog, Group, GroupEvent
 from app.watch.rendered import Rendered
-from workers.backoff import Backoff
+from registry_client.backoff import Backoff
 
 log = logging.getLogger("app.watch")
 
@@ -99,7 +100,7 @@ class Feed:
         # the ids of ``groups`` in order, kept as groups come and go: a list page starts at
         # its token's group without sorting 12,500 ids (3-6 ms a page at 100,000 ranks)
         self.order: SortedList[str] = SortedList()
-        self.log = EventLog(keep, keep_bytes)
+        self.log = ChangeLog(keep, keep_bytes)
         self.progress = 0
         self.epoch = 0  # a new log (after a compaction): older positions mean nothing
         self.loaded: asyncio.Future[None] | None = None
@@ -143,7 +144,7 @@ class Feed:
         self._wake()
 
     async def _run(self) -> None:
-        """Follow the store; after a failure, the one back-off policy (``workers.backoff``:
+        """Follow the store; after a failure, the one back-off policy (``registry_client.backoff``:
         full jitter, so the replicas of an etcd store that lost a member do not all come
         back to the next one in the same instant), reset by the next change applied."""
         fresh = True
@@ -203,7 +204,7 @@ class Feed:
         """The group's event; its line (the engine's view) is made when a watcher reads it.
         ``GroupState.read`` has an engine exactly when the engine's key is there."""
         after = self.groups.get(gid)
-        key = _engine_key(gid)
+        key = keys.engine(gid)
         if after is not None and key in after:
             kind, shown = ("MODIFIED" if before is not None and key in before else "ADDED"), after
         elif before is not None and key in before:

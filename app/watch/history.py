@@ -129,7 +129,7 @@ class GroupEvent:
         return self._deleted
 
 
-class EventLog:
+class ChangeLog:
     """``keep``: events kept (trimmed past a quarter more); ``max_bytes``: the events' weight
     kept (their estimated memory, `GroupEvent.weight`; trimmed to three quarters of it), so
     that one writer changing a very large group often cannot grow the log past it."""

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.registry.records import Decoded, EngineRecord, ServingRecord, _engine_key, _serving_key
-from app.schemas import Engine
+from app.core.schemas import Engine
+from app.registry import keys
+from app.registry.records import Decoded, EngineRecord, ServingRecord
 from app.store import Store
 from app.watch.feed import Feed
 from app.watch.pages import encode_token, snapshot, taken, views
@@ -64,8 +65,8 @@ async def read_instances(
     )
     candidates: list[str] = []
     for gid in sorted(g for g in groups if g > after):
-        engine_entry = groups[gid].get(_engine_key(gid))
-        serving_entry = groups[gid].get(_serving_key(gid))
+        engine_entry = groups[gid].get(keys.engine(gid))
+        serving_entry = groups[gid].get(keys.serving(gid))
         if engine_entry is None or serving_entry is None:
             continue
         record = decoded.record(engine_entry, EngineRecord)

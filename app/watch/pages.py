@@ -16,9 +16,10 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 
-from app.errors import FieldProblem, InvalidRequest, RevisionAhead, RevisionCompacted
-from app.registry.records import Decoded, _engine_key
-from app.schemas import Engine
+from app.core.errors import FieldProblem, InvalidRequest, RevisionAhead, RevisionCompacted
+from app.core.schemas import Engine
+from app.registry import keys
+from app.registry.records import Decoded
 from app.store import Entry, Store
 from app.watch.feed import Feed, selected, view
 from app.watch.history import Group, Selector
@@ -167,7 +168,7 @@ async def read_page(
     page: list[str] = []
     more = False
     for gid in _after(feed, groups, after):
-        engine_entry = groups[gid].get(_engine_key(gid))
+        engine_entry = groups[gid].get(keys.engine(gid))
         if engine_entry is None or not passes(decoded, engine_entry, selector):
             continue
         if limit is not None and len(page) >= limit:

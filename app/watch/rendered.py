@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 from pydantic_core import to_json
 
+from app.core.timefmt import utc_iso
 from app.registry.records import Decoded
 from app.registry.state import GroupState
 from app.store import Snapshot
-from app.timefmt import utc_iso
 from app.watch.history import Group
 
 _AGENTS_TAIL = b'[],"serving":null}'  # an Engine with no agents and no serving ends so

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
-from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.errors import RevisionCompacted, TooManyWatchers
-from app.metrics import Metrics
+from app.core.errors import RevisionCompacted, TooManyWatchers
+from app.core.metrics import Metrics
+from app.core.problems import error_line
 from app.watch.feed import Feed
 from app.watch.history import ANY, Selector
 from app.watch.pages import refuse_ahead
@@ -35,21 +34,13 @@ GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
 LINGER_S = 0.05
 SHARED_EVENTS = 256  # a caught-up watcher's next events come from the hub's shared chunk
 DIRECT_BUFFER = 64 * 1024  # a connection holding more unsent bytes sends on its own
-# scope["extensions"]: the connection's asyncio transport (app/server.py puts it there)
+# scope["extensions"]: the connection's asyncio transport (app/server/serve.py puts it there)
 TRANSPORT = "engine_registry.transport"
 # A watch connection's kernel send buffer (Linux doubles it), not the few MB it may grow to.
 SNDBUF = 64 * 1024
 # A watch admitted (counted against REGISTRY_WATCH_MAX) whose response the server never started
 # (the request failed after the route) stops counting after this long.
 UNSENT_S = 30.0
-
-
-def error_line(revision: int, code: str, status: int, detail: str, **extras: Any) -> bytes:
-    title = code.replace("_", " ").capitalize()
-    problem: dict[str, Any] = {"type": f"urn:engine-registry:problem:{code}", "title": title}
-    problem.update(status=status, detail=detail, code=code, **extras)
-    line = {"type": "ERROR", "revision": revision, "object": problem}
-    return json.dumps(line, separators=(",", ":")).encode() + b"\n"
 
 
 class Watchers:

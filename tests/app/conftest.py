@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.pki import Pki
+from harness.server import RegistryProcess
 from tests.support.chromium import CHROMIUM, Chromium, chromium
 from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from tests.support.faults import RECOVERY, write_recovery
-from tests.support.pki import Pki
-from tests.support.server import RegistryProcess
 
 ADMIN = "admin-token-5d2c0f7e8a61"
 WORKER = "worker-token-b81e44a0c9"

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.auth import TokenFileError, parse_tokens, required_role, role_of
-from app.settings import Settings
+from app.security.auth import TokenFileError, parse_tokens, required_role, role_of
+from app.server.settings import Settings
 
 pytestmark = pytest.mark.unit
 

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body
 from tests.support.hostile import assert_problem, open_engine, raw_exchange, serve, vm_rss_kib
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.faults
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.server import ROOT, RegistryProcess
 from tests.app.api.conftest import agent_body, launch
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = pytest.mark.api
 

@@ -2,7 +2,8 @@
 groups' leases lapse together (one revision, two lines) and the stream is cut after the first
 line (tests/support/cut_proxy.py, in front of a real registry process). Resuming from the
 highest revision seen would lose the second group's change for good; the CLI watches through
-`workers.client`'s watch, which resumes from just before that revision and skips what it had.
+`registry_client.client`'s watch, which resumes from just before that revision and skips what it
+had.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.server import ROOT, RegistryProcess
 from tests.app.api.conftest import agent_body, launch
 from tests.app.test_cli_watch import Output, _sigint_default
 from tests.support.cut_proxy import CutProxy
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(120)]
 TTL_S = 5

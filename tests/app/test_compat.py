@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.compat import equal, mismatches, same_value
+from registry_client.compat import equal, mismatches, same_value
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ import pytest
 
 from app.store import Put, create_store
 from app.watch.feed import DUE_PRUNE_AT
-from tests.support.feeds import registry_with_feed
+from harness.feeds import registry_with_feed
 
 pytestmark = pytest.mark.store
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from app.errors import FieldProblem, InvalidRequest
-from app.problems import problem_response
+from app.core.errors import FieldProblem, InvalidRequest
+from app.core.problems import problem_response
 from app.registry.base import outside_group
 
 pytestmark = pytest.mark.unit

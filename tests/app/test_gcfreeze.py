@@ -1,4 +1,4 @@
-"""app/gcfreeze.py: a slow collection of the older generations makes the next check freeze
+"""app/core/gcfreeze.py: a slow collection of the older generations makes the next check freeze
 the heap; no slow collection, no freeze."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from app.gcfreeze import Freezer
+from app.core.gcfreeze import Freezer
 
 pytestmark = pytest.mark.unit
 

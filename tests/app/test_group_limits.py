@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.schemas import MAX_AGENT_NAME, MAX_BATCH, MAX_HOST, MAX_TP_SIZE
+from app.core.schemas import MAX_AGENT_NAME, MAX_BATCH, MAX_HOST, MAX_TP_SIZE
+from harness.server import RegistryProcess
 from tests.support.hostile import assert_problem, serve
-from tests.support.server import RegistryProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from app.schemas import MAX_TP_SIZE
+from app.core.schemas import MAX_TP_SIZE
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body
 from tests.support.hostile import assert_problem, open_engine, raw_exchange, serve
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.faults
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.schemas import MAX_AGENT_NAME, MAX_HOST, MAX_TP_SIZE
-from tests.support.server import RegistryProcess
-from workers.client import RegistryClient
-from workers.errors import RegistryUnavailable
+from app.core.schemas import MAX_AGENT_NAME, MAX_HOST, MAX_TP_SIZE
+from harness.server import RegistryProcess
+from registry_client.client import RegistryClient
+from registry_client.errors import RegistryUnavailable
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 

@@ -1,5 +1,6 @@
-"""A registration's body in one pass of pydantic's parser (``app.jsonbody.validate_json``) and
-strict base64 through pybase64 (``app.schemas.strict_base64``) accept exactly what the two
+"""A registration's body in one pass of pydantic's parser (``app.server.jsonbody.validate_json``)
+and
+strict base64 through pybase64 (``app.core.schemas.strict_base64``) accept exactly what the two
 passes and ``binascii`` did, with the same result: each is checked against the long way on a
 corpus of valid bodies and near misses, at the limits' edges."""
 
@@ -14,15 +15,15 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from app.api.fastpath import _BATCH_KV, _NONE, _ONE_KV, Fallback, FreeParts, _body
-from app.jsonbody import MAX_DEPTH, validate_json
-from app.schemas import (
+from app.core.schemas import (
     EngineIdBody,
     HeartbeatsRequest,
     RegisterAgentRequest,
     RegisterAgentsRequest,
     strict_base64,
 )
+from app.server.bypass.fastpath import _BATCH_KV, _NONE, _ONE_KV, Fallback, FreeParts, _body
+from app.server.jsonbody import MAX_DEPTH, validate_json
 
 pytestmark = pytest.mark.unit
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body, open_body
-from tests.support.server import RegistryProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

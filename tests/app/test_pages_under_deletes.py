@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.etcd import EtcdCluster
+from harness.etcd import EtcdCluster
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body, open_body
-from tests.support.server import RegistryProcess
 from workers.tools.procs import log_tail
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]

@@ -7,17 +7,10 @@ import random
 
 import pytest
 
-from app.registry.records import (
-    AgentRecord,
-    Decoded,
-    EngineRecord,
-    ServingRecord,
-    _agent_key,
-    _engine_key,
-    _serving_key,
-)
+from app.core.timefmt import utc_iso
+from app.registry import keys
+from app.registry.records import AgentRecord, Decoded, EngineRecord, ServingRecord
 from app.store import Entry
-from app.timefmt import utc_iso
 from app.watch.feed import view
 from app.watch.history import Group
 from app.watch.pages import live
@@ -44,7 +37,7 @@ def engine(
         compat=compat or {"model": "m", "f": 0.5},
         created_at="2026-12-02T10:00:00.000Z",
     )
-    return Entry(_engine_key(GID), record.model_dump_json().encode(), revision or generation * 100)
+    return Entry(keys.engine(GID), record.model_dump_json().encode(), revision or generation * 100)
 
 
 def agent(rank: int, revision: int, lease: int, generation: int = 1, name: str = "") -> Entry:
@@ -65,7 +58,7 @@ def agent(rank: int, revision: int, lease: int, generation: int = 1, name: str =
             "block_len": 64,
         },
     )
-    return Entry(_agent_key(GID, rank), record.model_dump_json().encode(), revision, lease)
+    return Entry(keys.agent(GID, rank), record.model_dump_json().encode(), revision, lease)
 
 
 def serving(revision: int, generation: int = 1) -> Entry:
@@ -77,7 +70,7 @@ def serving(revision: int, generation: int = 1) -> Entry:
         bootstrap="10.0.0.1:8998",
         published_at="2026-12-02T10:00:02.000Z",
     )
-    return Entry(_serving_key(GID), record.model_dump_json().encode(), revision)
+    return Entry(keys.serving(GID), record.model_dump_json().encode(), revision)
 
 
 def as_group(*entries: Entry) -> Group:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd import EtcdCluster
+from harness.etcd import EtcdCluster
 from tests.support.faults import FailoverClient, Storm, record, replicas, verify_nothing_lost
 
 pytestmark = pytest.mark.faults

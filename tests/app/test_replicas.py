@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import RegistryProcess
 from tests.support.faults import FailoverClient, agent_body, open_body, record, replicas
-from tests.support.server import RegistryProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 

@@ -1,5 +1,6 @@
-"""router-sync's watch loop (`app.router_sync.follow`) retries on the one back-off policy
-(`workers.backoff.Backoff`: full jitter, capped, a server's ``Retry-After`` as a floor), not
+"""router-sync's watch loop (`registry_client.router_sync.sync.follow`) retries on the one back-off
+policy
+(`registry_client.backoff.Backoff`: full jitter, capped, a server's ``Retry-After`` as a floor), not
 on a fixed pause; and `Groups` knows since when the watch is blind, and why."""
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from app.router_sync import Groups, follow
-from workers.backoff import Backoff
-from workers.errors import RegistryUnavailable, Unauthorized
-from workers.watch import WatchEvent
+from registry_client.backoff import Backoff
+from registry_client.errors import RegistryUnavailable, Unauthorized
+from registry_client.router_sync.offers import Groups
+from registry_client.router_sync.sync import follow
+from registry_client.watch import WatchEvent
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +91,7 @@ def test_groups_say_since_when_the_watch_is_blind_and_why() -> None:
 def test_a_round_on_unchanged_groups_sends_the_same_list_without_working_it_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import app.router_sync as router_sync
+    import registry_client.router_sync.sync as router_sync
 
     calls: list[int] = []
 

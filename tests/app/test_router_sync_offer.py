@@ -1,4 +1,5 @@
-"""What `engine-registry router-sync` offers routers (`app.router_sync.offer`), from engines as
+"""What `engine-registry router-sync` offers routers (`registry_client.router_sync.sync.offer`),
+from engines as
 the registry's watch gives them: the pairing rules without a process."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from app.router_sync import offer
-from workers.models import Engine
+from registry_client.models import Engine
+from registry_client.router_sync.offers import offer
 
 pytestmark = pytest.mark.unit
 COMPAT = {"model": "tiny", "block_size": 16}

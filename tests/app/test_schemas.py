@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.schemas import HandshakeRequest, OpenEngineRequest, RegisterAgentRequest
+from app.core.schemas import HandshakeRequest, OpenEngineRequest, RegisterAgentRequest
 
 pytestmark = pytest.mark.unit
 

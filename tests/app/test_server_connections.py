@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.support.hostile import (
     PROBLEM,
     log_of,
@@ -34,7 +35,6 @@ from tests.support.hostile import (
     socket_fds,
     vm_rss_kib,
 )
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.faults
 

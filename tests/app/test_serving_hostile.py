@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.router_sync import offer
+from harness.server import RegistryProcess
+from registry_client.router_sync.offers import offer
 from tests.support.hostile import assert_problem, open_engine, serve
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.faults
 

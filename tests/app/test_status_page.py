@@ -21,10 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body, launch
 from tests.support.chromium import CHROMIUM, Chromium
 from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.ui
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.status_html import PAGE_BUDGET
+from app.api.status_html import PAGE_BUDGET
+from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body, launch
 from tests.support.chromium import Chromium
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.ui
 

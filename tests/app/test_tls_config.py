@@ -11,14 +11,14 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from app.credentials import digest_of
-from app.settings import Settings
-from app.tls import TlsConfigError, server_context
-from app.tokens import TokenSource
+from app.security.credentials import digest_of
+from app.security.tls import TlsConfigError, server_context
+from app.security.tokens import TokenSource
+from app.server.settings import Settings
+from harness.pki import Pki
+from harness.server import ROOT
+from registry_client.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError, classify
 from tests.app.conftest import ADMIN, WORKER, tokens_file
-from tests.support.pki import Pki
-from tests.support.server import ROOT
-from workers.tls import VARS_OF_PLUGIN, ClientTLS, TLSConfigError, classify
 
 pytestmark = pytest.mark.tls
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.pki import Pki
+from harness.server import ROOT, RegistryProcess
+from registry_client.client import RegistryClient
+from registry_client.errors import RegistryUnavailable, Unauthorized
+from registry_client.tls import ClientTLS, RegistryTLSError
 from tests.app.conftest import READER, tokens_file
-from tests.support.pki import Pki
-from tests.support.server import ROOT, RegistryProcess
-from workers.client import RegistryClient
-from workers.errors import RegistryUnavailable, Unauthorized
-from workers.tls import ClientTLS, RegistryTLSError
 
 pytestmark = pytest.mark.tls
 

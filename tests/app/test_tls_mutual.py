@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 
+from harness.pki import Pki
+from harness.server import ROOT, RegistryProcess
+from registry_client.client import RegistryClient
+from registry_client.models import KvSpec
+from registry_client.tls import ClientTLS, RegistryTLSError
 from tests.app.conftest import ADMIN, WORKER
-from tests.support.pki import Pki
-from tests.support.server import ROOT, RegistryProcess
-from workers.client import RegistryClient
-from workers.models import KvSpec
-from workers.tls import ClientTLS, RegistryTLSError
 
 pytestmark = pytest.mark.tls
 
@@ -108,7 +108,7 @@ def test_the_vllm_plugin_registers_over_mutual_tls(
 ) -> None:
     """The plugin's settings, first-process token check and lease (the shared Publication,
     as the plugin's worker side runs it), against the real registry; no vLLM is started."""
-    from workers.models import EngineIdentity
+    from registry_client.models import EngineIdentity
     from workers.publication import Publication
     from workers.vllm_plugin import common, hook
     from workers.vllm_plugin.settings import PluginConfigError, PluginSettings

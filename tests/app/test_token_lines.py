@@ -1,13 +1,14 @@
-"""The tokens file's lines (app/credentials.py): older ``role:token`` lines read as before, a
+"""The tokens file's lines (app/security/credentials.py): older ``role:token`` lines read as
+before, a
 line's ``name=`` and ``groups=``, the inline form's commas, scope matching, and errors that name
-the line but never the token; the auth check's scope refusal (app/auth.py)."""
+the line but never the token; the auth check's scope refusal (app/security/auth.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.auth import AuthMiddleware, OutOfScope, check_scope, credential_of
-from app.credentials import TokenFileError, inline_tokens, parse_tokens
+from app.security.auth import AuthMiddleware, OutOfScope, check_scope, credential_of
+from app.security.credentials import TokenFileError, inline_tokens, parse_tokens
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.support.faults import open_body
-from tests.support.server import RegistryProcess
 from tests.support.watch import WatchLines
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(90)]

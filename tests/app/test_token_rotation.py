@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.pki import Pki
+from harness.server import ROOT, RegistryProcess
 from tests.app.api.conftest import agent_body
 from tests.app.conftest import ADMIN, READER, tokens_file
-from tests.support.pki import Pki
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = pytest.mark.tls
 

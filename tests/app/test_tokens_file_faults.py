@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import RegistryProcess
+from harness.server import RegistryProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(90)]
 

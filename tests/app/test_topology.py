@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.topology import TopologyError, plan_targets
+from app.registry.topology import TopologyError, plan_targets
 
 pytestmark = pytest.mark.unit
 

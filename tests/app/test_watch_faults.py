@@ -23,12 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.etcd import ETCDCTL_BIN, EtcdCluster
+from harness.etcd import ETCDCTL_BIN, EtcdCluster
+from harness.server import RegistryProcess
+from registry_client.client import RegistryClient
+from registry_client.watch import WatchEvent
 from tests.support.faults import agent_body, open_body
-from tests.support.server import RegistryProcess
 from tests.support.watch import WatchLines
-from workers.client import RegistryClient
-from workers.watch import WatchEvent
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 

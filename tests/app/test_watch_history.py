@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.store import Entry
-from app.watch.history import EventLog, Group, GroupEvent, Selector
+from app.watch.history import ChangeLog, Group, GroupEvent, Selector
 from app.watch.pages import decode_token, encode_token
 
 pytestmark = pytest.mark.unit
@@ -19,7 +19,7 @@ def event(revision: int, gid: str, before: Group | None = None, size: int = 10) 
 
 
 def test_the_log_trims_whole_revisions_and_keeps_positions_growing() -> None:
-    log = EventLog(keep=4)
+    log = ChangeLog(keep=4)
     for revision, gid in [(1, "a"), (2, "a"), (3, "a"), (3, "b"), (3, "c"), (4, "a")]:
         log.append(event(revision, gid))
     # Past keep + keep // 4 (5) the oldest go, never half a revision: revision 3 stays whole.
@@ -36,7 +36,7 @@ def test_the_log_trims_whole_revisions_and_keeps_positions_growing() -> None:
 
 
 def test_bytes_after_a_position_measure_a_watchers_lag() -> None:
-    log = EventLog(keep=100)
+    log = ChangeLog(keep=100)
     for revision in range(1, 6):
         log.append(event(revision, "g", size=revision))
     assert log.bytes_after(0) == 1 + 2 + 3 + 4 + 5
@@ -56,7 +56,7 @@ def test_lines_are_made_only_for_what_a_watcher_is_behind_on() -> None:
 
         return GroupEvent(revision, "g", "MODIFIED", "prefill", line, None)
 
-    log = EventLog(keep=4)
+    log = ChangeLog(keep=4)
     for revision in range(1, 7):  # past keep + keep // 4: the first two go, never made
         log.append(lazy(revision, revision))
     assert made == []
@@ -85,7 +85,7 @@ def test_as_of_undoes_the_changes_after_a_revision() -> None:
     new_a = {"groups/a/engine": Entry("groups/a/engine", b"2", 5)}
     b = {"groups/b/engine": Entry("groups/b/engine", b"1", 2)}
     c = {"groups/c/engine": Entry("groups/c/engine", b"1", 6)}
-    log = EventLog(keep=100)
+    log = ChangeLog(keep=100)
     log.reset(2)  # the groups were read at revision 2: a (old) and b
     log.append(event(5, "a", before=old_a))  # a relaunched
     log.append(event(6, "c", before=None))  # c added
@@ -109,7 +109,7 @@ def weighed(revision: int, weight: int) -> GroupEvent:
 
 
 def test_the_log_is_bounded_by_its_events_weight_keeping_the_newest_revision_whole() -> None:
-    log = EventLog(keep=1_000, max_bytes=10_000)
+    log = ChangeLog(keep=1_000, max_bytes=10_000)
     for revision in range(1, 101):  # 100 changes of 1,000 bytes: ten times the bound
         log.append(weighed(revision, 1_000))
         assert log.weight <= 10_000

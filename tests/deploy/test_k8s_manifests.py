@@ -400,9 +400,9 @@ def test_the_tls_overlay_serves_https_from_secrets_and_gives_the_clients_only_th
     """overlays/tls: the registry's certificate and key come from a Secret and load into the
     service's own TLS context; its probes use HTTPS; every vLLM container trusts the CA from a
     Secret that holds no key, through ENGINE_REGISTRY_CA."""
-    from app.settings import Settings
-    from app.tls import server_context
-    from workers.tls import ClientTLS
+    from app.security.tls import server_context
+    from app.server.settings import Settings
+    from registry_client.tls import ClientTLS
 
     objects = rendered["tls"]
     workload = k8s.find(objects, "StatefulSet", "engine-registry")

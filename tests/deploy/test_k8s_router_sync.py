@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from app.cli import build_parser
+from harness.server import RegistryProcess, free_port
 from tests.deploy import k8s_support as k8s
 from tests.deploy.test_k8s_manifests import TOKENS, rendered
-from tests.support.server import RegistryProcess, free_port
 from workers.tools.routers import RouterSyncProcess
 
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(120)]

@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 import yaml
 
+from harness.server import ROOT, RegistryProcess
 from tests.app.api.conftest import agent_body, launch
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = pytest.mark.deploy
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import RegistryProcess, free_port
+from harness.server import RegistryProcess, free_port
 
 pytestmark = [pytest.mark.deploy, pytest.mark.timeout(60)]
 

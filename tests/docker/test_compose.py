@@ -28,6 +28,7 @@ import httpx
 import pytest
 import yaml
 
+from harness.server import RegistryProcess, TlsFiles, free_port
 from tests.docker.compose_support import (
     COMPOSE_FILE,
     DOCKER,
@@ -42,7 +43,6 @@ from tests.docker.compose_support import (
     load_services,
     read_env_file,
 )
-from tests.support.server import RegistryProcess, TlsFiles, free_port
 
 COMPOSE_BIN = shutil.which("docker-compose")
 needs_compose = pytest.mark.skipif(
@@ -260,7 +260,7 @@ def test_ha_profile_runs_two_replicas_on_one_three_member_etcd_cluster() -> None
 
 
 def test_registry_environment_is_accepted_by_the_service_settings(tmp_path: Path) -> None:
-    from app.settings import Settings
+    from app.server.settings import Settings
 
     tokens = tmp_path / "tokens"
     tokens.write_text("worker:" + "w" * 24 + "\n")
@@ -295,9 +295,9 @@ def test_the_tls_overlay_serves_https_from_secrets_to_workers_with_client_certif
     key from secrets too; the secrets' files are git-ignored."""
     import trustme
 
-    from app.settings import Settings
-    from app.tls import server_context
-    from workers.tls import ClientTLS
+    from app.security.tls import server_context
+    from app.server.settings import Settings
+    from registry_client.tls import ClientTLS
 
     assert COMPOSE_BIN is not None
     clean = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}

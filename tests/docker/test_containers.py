@@ -29,11 +29,11 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import free_port
 from tests.docker.compose_support import COMPOSE_FILE, DOCKER, HA_ENV_FILE, ROOT
 from tests.docker.containers import COMPOSE_BIN, Compose
 from tests.docker.images import Images, pip_settings, served_pip_sources
 from tests.support import dockerd
-from tests.support.server import free_port
 
 MMDEBSTRAP = shutil.which("mmdebstrap")
 SKIP_REASON = dockerd.unavailable_reason() or (

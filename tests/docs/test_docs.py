@@ -179,7 +179,7 @@ def shown_defaults(value: object) -> set[str]:
 
 
 def test_configuration_lists_every_service_setting_with_variable_flag_and_default() -> None:
-    from app.settings import Settings
+    from app.server.settings import Settings
 
     rows = table_rows(CONFIGURATION_MD, ["variable", "flag", "default", "meaning"])
     problems = []
@@ -203,7 +203,9 @@ def test_configuration_lists_every_service_setting_with_variable_flag_and_defaul
     known = {f"REGISTRY_{name.upper()}" for name in Settings.model_fields}
     stale = sorted(v for v in rows if v.startswith("REGISTRY_") and v not in known)
     problems += [f"`{v}` is documented but is not a field of Settings" for v in stale]
-    assert not problems, f"{rel(CONFIGURATION_MD)} vs app/settings.py:\n" + "\n".join(problems)
+    assert not problems, f"{rel(CONFIGURATION_MD)} vs app/server/settings.py:\n" + "\n".join(
+        problems
+    )
 
 
 def worker_settings() -> list[type]:
@@ -342,7 +344,7 @@ def test_configuration_names_every_flag_of_the_entrypoints() -> None:
 
 def test_api_reference_names_every_route_of_the_openapi_document() -> None:
     from app.main import create_app
-    from app.settings import Settings
+    from app.server.settings import Settings
 
     app = create_app(Settings(host="127.0.0.1", tokens=None, tokens_file=None))
     paths: dict[str, dict[str, object]] = app.openapi()["paths"]
@@ -359,7 +361,7 @@ def test_api_reference_names_every_route_of_the_openapi_document() -> None:
 
 def registry_error_codes() -> dict[str, tuple[int, str]]:
     """code → (status, where) for every RegistryError class with its own ``code``."""
-    from app.errors import RegistryError
+    from app.core.errors import RegistryError
 
     codes: dict[str, tuple[int, str]] = {}
     pending: list[type[RegistryError]] = [RegistryError]
@@ -367,14 +369,14 @@ def registry_error_codes() -> dict[str, tuple[int, str]]:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
         if "code" in vars(cls):
-            codes[cls.code] = (cls.status, f"app/errors.py {cls.__name__}")
+            codes[cls.code] = (cls.status, f"app/core/errors.py {cls.__name__}")
     return codes
 
 
 def server_codes() -> dict[str, tuple[int, str]]:
-    """code → (status, where) of the answers app/server.py writes itself
+    """code → (status, where) of the answers app/server/serve.py writes itself
     (``self._refuse(status, reason, code, detail)``)."""
-    path = ROOT / "app" / "server.py"
+    path = ROOT / "app" / "server" / "serve.py"
     codes: dict[str, tuple[int, str]] = {}
     for node in ast.walk(ast.parse(path.read_text())):
         if (
@@ -389,7 +391,7 @@ def server_codes() -> dict[str, tuple[int, str]]:
                 and isinstance(status.value, int)
                 and isinstance(code, ast.Constant)
             ):
-                codes[str(code.value)] = (status.value, f"app/server.py line {node.lineno}")
+                codes[str(code.value)] = (status.value, f"app/server/serve.py line {node.lineno}")
     return codes
 
 

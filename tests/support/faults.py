@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.server import RegistryProcess
+from harness.server import RegistryProcess
 
 OUTPUT_DIR = Path(__file__).resolve().parents[1] / "output"  # tests/output (git-ignored)
 RECOVERY: dict[str, dict[str, Any]] = {}

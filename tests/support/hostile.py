@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from tests.support.server import RegistryProcess
+from harness.server import RegistryProcess
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import RegistryProcess
+from harness.server import RegistryProcess
 
 
 def _serve(tmp_path: Path, name: str) -> Iterator[str]:

@@ -1,4 +1,4 @@
-"""The one back-off policy (workers/backoff.py): its bounds, full jitter's spread, the
+"""The one back-off policy (registry_client/backoff.py): its bounds, full jitter's spread, the
 deadline and the `Retry-After` floor, on a fake clock and seeded draws."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from workers.backoff import Backoff, retry_after
+from registry_client.backoff import Backoff, retry_after
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from workers import errors
-from workers.client import RegistryClient
-from workers.models import AgentItem, Compat, KvSpec
+from registry_client import errors
+from registry_client.client import RegistryClient
+from registry_client.models import AgentItem, Compat, KvSpec
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(60)]
 

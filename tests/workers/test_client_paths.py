@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.server import RegistryProcess, free_port
-from workers.client import RegistryClient
-from workers.models import KvSpec
-from workers.paths import (
+from harness.server import RegistryProcess, free_port
+from registry_client.client import RegistryClient
+from registry_client.models import KvSpec
+from registry_client.paths import (
     ENGINE_ID_PATTERN,
     GROUP_ID_PATTERN,
     InvalidId,
@@ -129,7 +129,7 @@ def test_a_hostile_id_is_refused_before_any_request(registry: RegistryProcess) -
 
 
 def test_ids_of_the_grammar_pass_unchanged_and_the_grammar_is_the_registrys() -> None:
-    from app import schemas
+    from app.core import schemas
 
     assert ENGINE_ID_PATTERN == schemas.ENGINE_ID_PATTERN
     assert GROUP_ID_PATTERN == schemas.GROUP_ID_PATTERN

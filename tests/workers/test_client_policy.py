@@ -14,9 +14,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from workers import errors
-from workers.client import RegistryClient
-from workers.models import KvSpec
+from registry_client import errors
+from registry_client.client import RegistryClient
+from registry_client.models import KvSpec
 
 pytestmark = pytest.mark.unit
 
@@ -166,7 +166,7 @@ def test_503_is_retried_with_growing_backoff_until_it_succeeds() -> None:
     engine = client.get_engine("g")
     assert engine.engine_id == "e1"
     assert len(fake.sleeps) == 2
-    # workers.backoff: full jitter under a doubling cap, [0, 0.1] then [0, 0.2].
+    # registry_client.backoff: full jitter under a doubling cap, [0, 0.1] then [0, 0.2].
     assert 0 <= fake.sleeps[0] <= 0.1
     assert 0 <= fake.sleeps[1] <= 0.2
 

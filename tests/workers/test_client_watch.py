@@ -1,4 +1,4 @@
-"""The workers' watch iterators (workers/watch.py) against a real registry process: a SYNC
+"""The workers' watch iterators (registry_client/watch.py) against a real registry process: a SYNC
 first, then each change once and in order, sync and async; a relist on 410; a lost registry
 surfaces as WatchLost after its deadline."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import RegistryProcess, free_port
+from registry_client.client import RegistryClient
+from registry_client.errors import InvalidRequest, WatchLost
+from registry_client.watch import BACKOFF_BASE_S, Cursor, WatchEvent
 from tests.support.faults import agent_body
-from tests.support.server import RegistryProcess, free_port
-from workers.client import RegistryClient
-from workers.errors import InvalidRequest, WatchLost
-from workers.watch import BACKOFF_BASE_S, Cursor, WatchEvent
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(90)]
 

@@ -9,15 +9,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from registry_client.errors import TransferError
+from registry_client.models import KvSpec, Target
 from workers.endpoint import (
     NixlEndpoint,
     RemoteRead,
     advertise_host,
     check_host_for_group,
 )
-from workers.errors import TransferError
 from workers.kv import KvLayout, fill, kv_spec, plan_reads, verify
-from workers.models import KvSpec, Target
 
 pytestmark = pytest.mark.workers
 

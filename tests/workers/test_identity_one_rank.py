@@ -15,9 +15,9 @@ import httpx
 import pytest
 import torch.distributed as dist
 
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdentityError
 from workers import identity
-from workers.client import RegistryClient
-from workers.errors import EngineIdentityError
 from workers.identity import EngineIdentity
 from workers.tools.procs import free_port
 

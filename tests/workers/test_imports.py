@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import ROOT
+from harness.server import ROOT
 
 pytestmark = pytest.mark.unit
 
 TORCH_FREE = [
-    "workers.client",
+    "registry_client.client",
     "workers.publication",
     "workers.vllm_plugin",
     "workers.vllm_plugin.settings",

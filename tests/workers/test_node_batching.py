@@ -15,10 +15,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from registry_client.client import RegistryClient
+from registry_client.models import AgentItem, KvSpec
 from tests.workers.torchrun_support import Launch, launched, logs, reports, start_group, wait_all
-from workers.client import RegistryClient
 from workers.identity import EngineIdentity
-from workers.models import AgentItem, KvSpec
 from workers.publication import BatchPublication
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(240)]

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.support.server import RegistryProcess
-from workers.client import RegistryClient
-from workers.errors import EngineIdMismatch
-from workers.models import EngineIdentity, KvSpec
+from harness.server import RegistryProcess
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdMismatch
+from registry_client.models import EngineIdentity, KvSpec
 from workers.publication import Publication
 
 pytestmark = pytest.mark.api
@@ -99,7 +99,7 @@ def test_renews_every_interval_registers_again_after_404_retries_and_stops_on_40
         thaw()
     # Beat 1 renewed, 2 found the lease gone and registered again, 3 failed (the registry
     # frozen past the call's deadline, which is the interval) and 4 and 5 renewed. After the
-    # failure the next beat came sooner, after a full-jitter pause of workers.backoff.
+    # failure the next beat came sooner, after a full-jitter pause of registry_client.backoff.
     assert len(clock.waits) == 6
     assert clock.waits[:3] + clock.waits[4:] == [pub.interval_s] * 5
     assert 0 <= clock.waits[3] <= pub.interval_s

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.tls import VARS_OF_WORKERS, ClientTLS
+from registry_client.tls import VARS_OF_WORKERS, ClientTLS
 from workers.tools.procs import ROOT, Proc, RegistryProcess, free_port
 
 _PRINT_LOCK = threading.Lock()

@@ -45,14 +45,7 @@ naming the variable, the value and the form expected):
 
 from __future__ import annotations
 
-import os
-
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
-ENV_URL = "ENGINE_REGISTRY_URL"
-
-
-def active() -> bool:
-    return bool(os.environ.get(ENV_URL, "").strip())
+from workers.vllm_plugin.activation import ENV_URL, SUPPORTED_VLLM_VERSIONS, active
 
 
 def register() -> None:

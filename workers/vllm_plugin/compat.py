@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from workers.models import Compat
+from registry_client.models import Compat
 
 log = logging.getLogger("vllm.engine_registry")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.models import Handshake
+from registry_client.models import Handshake
 from workers.vllm_plugin import release, via_registry
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.metrics import WorkerCounters

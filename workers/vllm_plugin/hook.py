@@ -18,8 +18,9 @@ import sys
 import uuid
 from typing import Any
 
-from workers.errors import Forbidden, RegistryError, Unauthorized
-from workers.vllm_plugin import SUPPORTED_VLLM_VERSIONS, common
+from registry_client.errors import Forbidden, RegistryError, Unauthorized
+from workers.vllm_plugin import common
+from workers.vllm_plugin.activation import SUPPORTED_VLLM_VERSIONS
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import vllm_version
 from workers.vllm_plugin.settings import (

@@ -11,7 +11,7 @@ socket, one JSON object a line:
   The runtime dir is ``$XDG_RUNTIME_DIR/engine-registry``, else
   ``<tmp>/engine-registry-<uid>``, private to the user (0700). The kernel drops the lock when
   its holder dies, however it dies.
-- **Leader.** Binds ``follow-<key>.sock``, watches the registry (`workers.watch.GroupWatch`,
+- **Leader.** Binds ``follow-<key>.sock``, watches the registry (`registry_client.watch.GroupWatch`,
   filtered on the server by ``model``: the instance's ``compat["model"]``) and writes each
   event to every connected worker: a worker that connects first gets a ``SYNC`` of the groups
   the leader holds, then each change; a ``PING`` line every ``PING_S`` when nothing
@@ -21,7 +21,8 @@ socket, one JSON object a line:
   line (the leader died, or hangs), they race for the lock again: the winner binds the socket
   and starts a fresh watch (its first event is a ``SYNC``, which every worker applies as a
   whole, so nothing that changed in between is missed), the others connect to it.
-- **Pauses.** The leader's watch reconnects after a jittered pause (`workers.backoff.Backoff`,
+- **Pauses.** The leader's watch reconnects after a jittered pause
+(`registry_client.backoff.Backoff`,
   the first one drawn from ``[0, WATCH_BASE_S)``), so a replica restart does not bring every
   node's leader back in the same second; a lost registry (`WatchLost`) or a refusal (a rotated
   token) is logged and the watch starts over after a capped, jittered pause too.
@@ -45,12 +46,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.backoff import Backoff
-from workers.errors import RegistryUnavailable
-from workers.models import Engine
+from registry_client.backoff import Backoff
+from registry_client.errors import RegistryUnavailable
+from registry_client.models import Engine
+from registry_client.watch import WatchEvent
 from workers.vllm_plugin import common
 from workers.vllm_plugin.settings import PluginSettings
-from workers.watch import WatchEvent
 
 # (kind, engines, deleted): a SYNC's groups, or one group's change.
 OnEvent = Callable[[str, list[Engine], bool], None]

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from workers.client import RegistryClient
-from workers.errors import EngineIdentityError
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdentityError
+from registry_client.models import AgentItem, EngineIdentity
 from workers.identity import agree
-from workers.models import AgentItem, EngineIdentity
 from workers.node import LocalFailure, verdict_of
 from workers.publication import BatchPublication
 

@@ -6,7 +6,7 @@ vLLM's worker sizes its remote descriptor lists by the payload's numbers (``num_
 So before the plugin hands a payload to vLLM it reads those numbers (``NixlHandshakePayload``
 -> ``agent_metadata_bytes`` -> ``NixlAgentMetadata``, msgpack maps as msgspec writes them)
 and checks them against the rank's KV description as the registry holds it (which the
-registry bounds: ``app/schemas.py``, the same limits, docs/api.md "kv") and against the same
+registry bounds: ``app/core/schemas.py``, the same limits, docs/api.md "kv") and against the same
 limits on their own. A payload without ``agent_metadata_bytes`` sizes nothing here: vLLM's
 decoder refuses it before any allocation.
 """
@@ -17,9 +17,9 @@ from typing import Any
 
 import msgpack
 
-from workers.models import KvSpec
+from registry_client.models import KvSpec
 
-# The registry's limits on a KV description (app/schemas.py; a unit test keeps them equal).
+# The registry's limits on a KV description (app/core/schemas.py; a unit test keeps them equal).
 MAX_KV_REGIONS = 4096
 MAX_NUM_BLOCKS = 2**24
 MAX_BLOCK_LEN = 2**32

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.backoff import Backoff
-from workers.models import Engine, Handshake
+from registry_client.backoff import Backoff
+from registry_client.models import Engine, Handshake
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.node_follow import NodeFeed
 from workers.vllm_plugin.settings import PluginSettings

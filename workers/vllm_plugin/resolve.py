@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.client import RegistryClient
-from workers.errors import Incompatible, NotReady
-from workers.models import Engine
-from workers.paths import engine_path
+from registry_client.client import RegistryClient
+from registry_client.errors import Incompatible, NotReady
+from registry_client.models import Engine
+from registry_client.paths import engine_path
 
 _DP_SUFFIX = re.compile(r"^(?P<id>.+?)_dp(?P<rank>\d+)$")
 
@@ -70,7 +70,7 @@ def resolve_remote_engine(
     """Resolve `kv_transfer_params` (or a bare `remote_engine_id`) to its instance.
 
     Raises `EngineSuperseded` (the instance was relaunched: `current_engine_id` names the
-    new one) or `NotFound` (not an id this registry issued) from `workers.errors`.
+    new one) or `NotFound` (not an id this registry issued) from `registry_client.errors`.
     """
     engine_id = str(params if isinstance(params, str) else params["remote_engine_id"])
     base, dp_rank = split_dp_suffix(engine_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.errors import RegistryError
+from registry_client.errors import RegistryError
 from workers.vllm_plugin import common
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.settings import PluginSettings

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from workers.errors import NotFound, RegistryError
+from registry_client.errors import NotFound, RegistryError
 from workers.vllm_plugin import common
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.settings import PluginSettings

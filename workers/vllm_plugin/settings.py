@@ -13,10 +13,10 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry_client.models import Role
+from registry_client.tls import VARS_OF_PLUGIN, ClientTLS
 from workers.config import describe, read_token_file
-from workers.models import Role
-from workers.tls import VARS_OF_PLUGIN, ClientTLS
-from workers.vllm_plugin import ENV_URL as ENV_URL
+from workers.vllm_plugin.activation import ENV_URL as ENV_URL
 
 ENV_PREFIX = "ENGINE_REGISTRY_"
 ENV_GROUP = "ENGINE_REGISTRY_GROUP"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from workers.errors import EngineSuperseded, NotFound, RegistryError
+from registry_client.errors import EngineSuperseded, NotFound, RegistryError
 from workers.vllm_plugin import common
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.resolve import split_dp_suffix

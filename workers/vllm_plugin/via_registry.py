@@ -37,7 +37,7 @@ from typing import Any
 
 import msgpack
 
-from workers.errors import (
+from registry_client.errors import (
     EngineSuperseded,
     Forbidden,
     Incompatible,
@@ -49,9 +49,9 @@ from workers.errors import (
     StoreUnavailable,
     Unauthorized,
 )
-from workers.models import Handshake
-from workers.paths import InvalidId
-from workers.tls import RegistryTLSError
+from registry_client.models import Handshake
+from registry_client.paths import InvalidId
+from registry_client.tls import RegistryTLSError
 from workers.vllm_plugin import common, stale
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.payload_bounds import PayloadOutOfBounds, check_payload

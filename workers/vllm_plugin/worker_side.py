@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.errors import EngineIdentityError, RegistryError
+from registry_client.errors import EngineIdentityError, RegistryError
+from registry_client.models import AgentItem, EngineIdentity, KvSpec
 from workers.identity import sync_engine_id
-from workers.models import AgentItem, EngineIdentity, KvSpec
 from workers.publication import Publication
 from workers.vllm_plugin import common, kv_watch, node_publish, pp_limit, stale, via_registry
 from workers.vllm_plugin.common import log

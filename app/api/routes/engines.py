@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from app.api.deps import EngineIdPath, RegistryDep, answer
-from app.auth import check_scope
-from app.jsonbody import LimitedJsonRoute
-from app.schemas import Engine, Handshake, HandshakeRequest
+from app.core.schemas import Engine, Handshake, HandshakeRequest
+from app.security.auth import check_scope
+from app.server.jsonbody import LimitedJsonRoute
 
 router = APIRouter(prefix="/engines", tags=["engines"], route_class=LimitedJsonRoute)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from app.api.deps import RegistryDep
-from app.metrics import CONTENT_TYPE
+from app.core.metrics import CONTENT_TYPE
 from app.store import Unavailable
 
 router = APIRouter(tags=["health"])

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.deps import RegistryDep
-from app.schemas import Role
+from app.core.schemas import Role
 from app.watch.instances import read_instances
 from app.watch.stream import Watchers
 

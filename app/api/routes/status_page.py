@@ -7,8 +7,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Response
 
 from app.api.deps import RegistryDep, answer
-from app.events import Events
-from app.status_html import AFTER_PATTERN, CSP, MAX_PAGE_GROUPS, PAGE_GROUPS, Filters, render
+from app.api.status_html import AFTER_PATTERN, CSP, MAX_PAGE_GROUPS, PAGE_GROUPS, Filters, render
+from app.registry.events import Events
 
 router = APIRouter(tags=["status"])
 

@@ -7,9 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 
 from app.api.deps import GroupIdPath, RankPath, RegistryDep, answer, refuse_oversized_body
-from app.auth import CREDENTIAL
-from app.jsonbody import LimitedJsonRoute
-from app.schemas import (
+from app.core.schemas import (
     Agent,
     Agents,
     Engine,
@@ -24,6 +22,8 @@ from app.schemas import (
     Role,
     ServingRequest,
 )
+from app.security.auth import CREDENTIAL
+from app.server.jsonbody import LimitedJsonRoute
 from app.watch.history import Selector
 from app.watch.pages import read_page
 from app.watch.stream import Watchers

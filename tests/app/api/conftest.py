@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server import RegistryProcess
+from harness.server import RegistryProcess
 
 PROBLEM = "application/problem+json"
 _counter = itertools.count()

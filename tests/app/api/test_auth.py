@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.server import ROOT, RegistryProcess, free_port
 from tests.app.api.conftest import agent_body, invalid, new_gid, problem, sqlite_url
-from tests.support.server import ROOT, RegistryProcess, free_port
 
 pytestmark = pytest.mark.api
 

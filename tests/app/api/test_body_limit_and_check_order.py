@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import Api, agent_body, invalid, new_gid, problem, sqlite_url
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import Api, agent_body, launch, problem
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import Api, blob, launch, new_gid, problem, sqlite_url
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 

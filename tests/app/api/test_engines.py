@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import Api, agent_body, invalid, launch, new_gid, problem
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 

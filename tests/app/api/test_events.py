@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
-from app.events import EventLog
-from app.metrics import Metrics
+from app.core.metrics import Metrics
+from app.registry.events import EventLog
 from app.store import Store
-from app.store.sqlite import SqliteStore
+from app.store.sqlite.store import SqliteStore
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import RegistryProcess
 from tests.app.api.conftest import Api, agent_body, invalid, launch, new_gid, problem
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 
@@ -206,7 +206,7 @@ def test_the_store_keeps_the_newest_events_on_sqlite(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)
 def test_the_store_keeps_the_newest_events_on_etcd(tmp_path: Path) -> None:
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     with EtcdCluster(tmp_path / "etcd", size=1) as etcd:
         store = EtcdStore.from_url(etcd.url("events"), timeout_s=5.0)

@@ -1,4 +1,5 @@
-"""The fast path (app/api/fastpath.py) answers exactly as FastAPI does: the same requests to a
+"""The fast path (app/server/bypass/fastpath.py) answers exactly as FastAPI does: the same requests
+to a
 server with it and one without (REGISTRY_FAST_PATH=false) get the same status, error code and
 answer shape."""
 
@@ -14,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 
@@ -161,8 +162,8 @@ def test_batched_registrations_and_heartbeats_answer_alike(
 def test_the_fast_path_takes_the_batched_routes() -> None:
     """Matched by the fast path (so answered on the hot path, in one write), not left to
     FastAPI's stack: what a node's leader sends every 10 s at fleet scale."""
-    from app.api.fastpath import FastPath
     from app.api.routes import engines, tp_groups
+    from app.server.bypass.fastpath import FastPath
 
     async def nothing(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("not called")
@@ -180,7 +181,8 @@ def test_the_fast_path_takes_the_batched_routes() -> None:
         assert fast.match(method, path.split("/")) == expected, (method, path)
 
 
-# -- the hot path (app/api/hot.py): one write on uvicorn's connection, as uvicorn would -------
+# -- the hot path (app/server/bypass/hot.py): one write on uvicorn's connection, as uvicorn would
+# -------
 
 
 def _raw(url: str, data: bytes, answers: int) -> list[tuple[bytes, list[bytes], bytes]]:

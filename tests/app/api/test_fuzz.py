@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd import EtcdCluster, etcd_available
+from harness.etcd import EtcdCluster, etcd_available
+from harness.server import ROOT, RegistryProcess
 from tests.support.faults import record
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = pytest.mark.faults
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import Api, agent_body, new_gid, sqlite_url
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 
@@ -172,7 +172,7 @@ def test_metrics_show_the_process_and_the_tuned_garbage_collector(
     api: httpx.Client, reg: Api
 ) -> None:
     """process_* and python_gc_* for the serving process, whose young generation collects at
-    10,000 objects (app/server.py): 200 groups opened (each keeps records, keys, caches) cost
+    10,000 objects (app/server/serve.py): 200 groups opened (each keeps records, keys, caches) cost
     at most a couple of young collections, not one every few requests."""
     before = scrape(api)
     for _ in range(200):

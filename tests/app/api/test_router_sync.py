@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.conftest import READER, WORKER, tokens_file
 from tests.support.pd_stand_in import StandIn, StandIns
-from tests.support.server import RegistryProcess
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(240)]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.test_router_sync import EXPIRY_S, Fleet, complete, wait_for
 from tests.app.conftest import READER, WORKER, tokens_file
 from tests.support.pd_stand_in import StandIns
-from tests.support.server import RegistryProcess
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]

@@ -1,5 +1,5 @@
 """`engine-registry router-sync` at fleet size: 2,500 ready instances published through a real
-registry's API (tests/support/serving_fleet.py), a real router-sync process feeding a real
+registry's API (harness/serving_fleet.py), a real router-sync process feeding a real
 vllm-router (0.1.17). vllm-router's discovery takes one message per instance and forgets one it
 has not heard of for 5 s; with non-blocking sends into ZMQ's 1,000-message queue the rest of
 each round was dropped and the router saw instances flap (2,000 adds and 500 expiries in 20 s
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import RegistryProcess
+from harness.serving_fleet import publish
 from tests.app.api.test_router_sync import wait_for
-from tests.support.server import RegistryProcess
-from tests.support.serving_fleet import publish
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(400)]

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.test_router_sync import Fleet, wait_for
 from tests.app.conftest import ADMIN, READER, WORKER, tokens_file
 from tests.support.pd_stand_in import StandIns
-from tests.support.server import RegistryProcess
 from workers.tools.routers import RouterSyncProcess, SmgProcess
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(240)]

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import launch, new_gid, problem, sqlite_url
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 

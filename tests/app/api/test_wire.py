@@ -1,4 +1,5 @@
-"""The hot routes answered in the connection's protocol (app/api/wire.py): in order with the
+"""The hot routes answered in the connection's protocol (app/server/bypass/wire.py): in order with
+the
 requests uvicorn answers on the same connection, handing what the fast path does not answer
 to the full stack with its body already read, and under the same body deadline."""
 
@@ -12,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body
 from tests.app.api.test_fastpath import _raw
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.api
 

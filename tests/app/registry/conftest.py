@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.etcd import EtcdCluster
+from harness.etcd import EtcdCluster
 
 
 @pytest.fixture(scope="module")

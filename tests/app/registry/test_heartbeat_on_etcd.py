@@ -12,19 +12,19 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from app.errors import NotFound
-from app.schemas import OpenEngineRequest, RegisterAgentsRequest
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from app.core.errors import NotFound
+from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.feeds import registry_with_feed
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body, open_body
-from tests.support.feeds import registry_with_feed
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.store
 
 if not etcd_available():
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from app.store.etcd import EtcdStore  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
 
 TP = 8
 

@@ -1,6 +1,6 @@
 """Every group's state for an operator's read (the status page, /metrics) is kept per version
 of the group (``app/registry/kept_states.py``) and the observer passes over a group that did
-not change (``app/observer.py``). Both must answer what a fresh read and a full comparison
+not change (``app/registry/observer.py``). Both must answer what a fresh read and a full comparison
 would: a real SQLite file, the registry's real watch feed, real leases."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from app.events import EventLog
+from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest, ServingRequest
 from app.registry import Registry
+from app.registry.events import EventLog
 from app.registry.records import Decoded
 from app.registry.state import GroupState
-from app.schemas import OpenEngineRequest, RegisterAgentsRequest, ServingRequest
 from app.store import Snapshot, create_store
 from app.watch.feed import Feed
+from harness.feeds import registry_with_feed
 from tests.support.faults import agent_body, open_body
-from tests.support.feeds import registry_with_feed
 
 pytestmark = pytest.mark.store
 

@@ -11,19 +11,19 @@ import uuid
 
 import pytest
 
-from app.errors import LaunchSuperseded
+from app.core.errors import LaunchSuperseded
+from app.core.schemas import OpenEngineRequest
 from app.registry import Registry
-from app.schemas import OpenEngineRequest
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.feeds import registry_with_feed
 from tests.support.faults import open_body
-from tests.support.feeds import registry_with_feed
 
 pytestmark = pytest.mark.store
 
 if not etcd_available():
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from app.store.etcd import EtcdStore  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
 
 GROUPS = 10
 

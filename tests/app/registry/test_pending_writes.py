@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import EngineIdMismatch
+from app.core.errors import EngineIdMismatch
+from app.core.schemas import Agent, KvDescription, OpenEngineRequest, RegisterAgentRequest
 from app.registry import Registry
-from app.schemas import Agent, KvDescription, OpenEngineRequest, RegisterAgentRequest
-from app.store.sqlite import SqliteStore
+from app.store.sqlite.store import SqliteStore
 
 pytestmark = pytest.mark.unit
 

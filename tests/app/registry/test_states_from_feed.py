@@ -16,14 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
+from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
 from app.registry import Registry
 from app.registry.state import GroupState
-from app.schemas import OpenEngineRequest, RegisterAgentsRequest
 from app.store import create_store
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.feeds import registry_with_feed
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body, open_body
-from tests.support.feeds import registry_with_feed
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.store
 

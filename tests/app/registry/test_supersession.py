@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from app.core.schemas import KvDescription, OpenEngineRequest, RegisterAgentRequest
 from app.registry import Registry
-from app.schemas import KvDescription, OpenEngineRequest, RegisterAgentRequest
-from app.store.sqlite import SqliteStore
+from app.store.sqlite.store import SqliteStore
 
 pytestmark = pytest.mark.unit
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import ROOT, RegistryProcess
 from tests.support.faults import agent_body, open_body, record, wait_until
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = pytest.mark.faults
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from app.store import EtcdAccess, Store
-from app.store.sqlite import SqliteStore
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
-from tests.support.pki import Pki
+from app.store.sqlite.store import SqliteStore
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.pki import Pki
 
 StoreFactory = Callable[[Path], AbstractAsyncContextManager[Store]]
 
@@ -101,7 +101,7 @@ def shared_secure_etcd() -> SecureEtcd:
 
 @asynccontextmanager
 async def secure_etcd_store(tmp_path: Path) -> AsyncIterator[Store]:
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     secure = shared_secure_etcd()
     url = secure.cluster.url(f"tls-{uuid.uuid4().hex}")
@@ -115,7 +115,7 @@ async def secure_etcd_store(tmp_path: Path) -> AsyncIterator[Store]:
 
 @asynccontextmanager
 async def etcd_store(tmp_path: Path) -> AsyncIterator[Store]:
-    from app.store.etcd import EtcdStore
+    from app.store.etcd.store import EtcdStore
 
     cluster = shared_etcd()
     store = EtcdStore.from_url(cluster.url(f"test-{uuid.uuid4().hex}"), timeout_s=5.0)

@@ -11,8 +11,8 @@ import pytest
 from aetcd import rpc
 
 from app.store import ChangeBatch, Compacted, Delete, Put, Store
-from app.store.etcd import EtcdStore
-from app.store.sqlite import SqliteStore
+from app.store.etcd.store import EtcdStore
+from app.store.sqlite.store import SqliteStore
 from tests.app.store.conftest import StoreFactory
 from tests.app.store.test_contract import run
 

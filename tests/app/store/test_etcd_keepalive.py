@@ -1,5 +1,5 @@
 """Lease renewals on etcd go through a member's pool of long-lived keep-alive streams
-(``app.store.etcd_keepalive``): a stream a renewal at a time, reused, each answer with the
+(``app.store.etcd.keepalive``): a stream a renewal at a time, reused, each answer with the
 revision it was read at; within the store's deadline when etcd stops answering, and right
 again after it resumes. Real etcd; the streams it served counted from its own metrics."""
 
@@ -17,15 +17,15 @@ import pytest
 
 from app.store import Put
 from app.store import Unavailable as StoreUnavailable
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 
 pytestmark = pytest.mark.store
 
 if not etcd_available():
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
-from app.store.etcd import EtcdStore  # noqa: E402
-from app.store.etcd_keepalive import MOST_STREAMS  # noqa: E402
+from app.store.etcd.keepalive import MOST_STREAMS  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,12 @@ import pytest
 
 from app.store import Put
 from app.store import Unavailable as StoreUnavailable
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 
 pytestmark = [pytest.mark.store, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
-from app.store.etcd import EtcdStore  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Progress on etcd's watch is proven by the watch's own events (``app/store/etcd_watch.py``).
+"""Progress on etcd's watch is proven by the watch's own events (``app/store/etcd/watch.py``).
 
 etcd 3.4.23 (Debian's, which these tests run) answers a requested progress notification ahead
 of the events it covers (etcd issue 15220): every time when the watch starts behind etcd's
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from app.store import ChangeBatch, Put, Snapshot
+from harness.etcd import SKIP_REASON, etcd_available
+from harness.feeds import registry_with_feed
 from tests.app.store.conftest import shared_etcd
-from tests.support.etcd import SKIP_REASON, etcd_available
-from tests.support.feeds import registry_with_feed
 
 pytestmark = [
     pytest.mark.store,
@@ -28,7 +28,7 @@ pytestmark = [
 ]
 aetcd = pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
-from app.store.etcd import EtcdStore  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
 
 TRIES = 40
 DEADLINE_S = 10.0
@@ -132,7 +132,7 @@ async def take_until(stream: AsyncIterator[ChangeBatch], revision: int) -> list[
 
 
 def test_a_lagging_reader_holds_the_stream_back_and_a_nudge_still_gets_through() -> None:
-    from app.store.etcd_watch import Inbox, follow
+    from app.store.etcd.watch import Inbox, follow
 
     async def body() -> None:
         store = new_store()
@@ -166,7 +166,7 @@ def test_a_lagging_reader_holds_the_stream_back_and_a_nudge_still_gets_through()
 
 
 def test_the_fence_key_sorts_just_before_the_prefix() -> None:
-    from app.store.etcd_watch import fence_key
+    from app.store.etcd.watch import fence_key
 
     assert fence_key(b"/registry/groups/") == b"/registry/groups."
     assert b"/registry/groups." < b"/registry/groups/" < b"/registry/groups/a"
@@ -182,7 +182,7 @@ def test_a_progress_request_never_answered_is_followed_by_a_fence(
     Here the request is one etcd ignores (a watch request of no kind)."""
     from aetcd import rpc
 
-    from app.store import etcd_watch
+    from app.store.etcd import watch as etcd_watch
 
     monkeypatch.setattr(etcd_watch, "PROGRESS_REQUEST", rpc.WatchRequest())
 

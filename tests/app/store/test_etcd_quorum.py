@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.etcd import EtcdCluster
+from harness.etcd import EtcdCluster
 from tests.support.faults import (
     FailoverClient,
     Storm,

@@ -14,13 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.events import Event, EventLog
-from app.metrics import Metrics
-from app.store.etcd import EtcdStore
-from tests.support.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from app.core.metrics import Metrics
+from app.registry.events import Event, EventLog
+from app.store.etcd.store import EtcdStore
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body
 from tests.support.hostile import assert_problem, open_engine
-from tests.support.server import RegistryProcess
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 

@@ -14,14 +14,14 @@ import pytest
 
 from app.store import Put, Store
 from app.store import Unavailable as StoreUnavailable
+from harness.etcd import SKIP_REASON, etcd_available
+from harness.server import free_port
 from tests.app.store.conftest import shared_etcd
-from tests.support.etcd import SKIP_REASON, etcd_available
-from tests.support.server import free_port
 
 pytestmark = [pytest.mark.store, pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)]
 aetcd = pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
-from app.store.etcd import EtcdStore  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
 
 
 def live_endpoint() -> tuple[str, int]:
@@ -97,7 +97,7 @@ def test_a_prefix_larger_than_one_grpc_answer_reads_whole_as_one_snapshot() -> N
     began is not in it."""
 
     async def body() -> None:
-        from app.store.etcd_range import RANGE_PAGE
+        from app.store.etcd.ranges import RANGE_PAGE
 
         store = EtcdStore([live_endpoint()], uuid.uuid4().hex)
         value = bytes(range(256)) * 32  # 8 KiB

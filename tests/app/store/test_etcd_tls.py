@@ -17,12 +17,12 @@ import httpx
 import pytest
 
 from app.store import EtcdAccess, Put
-from app.store.etcd import EtcdStore
-from app.store.etcd_conn import EtcdAccessError
+from app.store.etcd.conn import EtcdAccessError
+from app.store.etcd.store import EtcdStore
+from harness.etcd import SKIP_REASON, etcd_available
+from harness.server import ROOT, RegistryProcess
 from tests.app.store.conftest import SecureEtcd, shared_etcd, shared_secure_etcd
-from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.faults import agent_body, open_body
-from tests.support.server import ROOT, RegistryProcess
 
 pytestmark = pytest.mark.store
 

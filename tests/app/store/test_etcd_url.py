@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("aetcd", reason="the etcd extra (aetcd) is not installed")
 
 from app.store import EtcdAccess, check_store_url, create_store
-from app.store.etcd import EtcdStore
-from app.store.etcd_config import parse_url, redact
+from app.store.etcd.config import parse_url, redact
+from app.store.etcd.store import EtcdStore
 
 pytestmark = pytest.mark.unit
 

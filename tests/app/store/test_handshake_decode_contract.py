@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.etcd import SKIP_REASON, etcd_available
+from harness.server import RegistryProcess
 from tests.app.store.conftest import shared_etcd
-from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.faults import agent_body, open_body
-from tests.support.server import RegistryProcess
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(120)]
 

@@ -13,7 +13,7 @@ import pytest
 
 from app.store import Put
 from app.store.lease_clock import ARRIVED, CLOCK, IN_FLIGHT
-from app.store.sqlite import SqliteStore
+from app.store.sqlite.store import SqliteStore
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(60)]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.store import Delete, Entry, Put
-from app.store.sqlite import SqliteStore
+from app.store.sqlite.store import SqliteStore
 
 pytestmark = pytest.mark.store
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import RegistryProcess
 from tests.support.faults import FailoverClient, Storm, record, verify_nothing_lost
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.faults
 

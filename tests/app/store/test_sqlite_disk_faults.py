@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.server import RegistryProcess
 from tests.support.faults import agent_body, record
 from tests.support.hostile import (
     STORE_TIMEOUT_S,
@@ -38,7 +39,6 @@ from tests.support.hostile import (
     serve,
     small_tmpfs,
 )
-from tests.support.server import RegistryProcess
 
 pytestmark = pytest.mark.faults
 

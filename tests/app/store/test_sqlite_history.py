@@ -1,4 +1,4 @@
-"""The SQLite store's history of durable changes (app/store/sqlite_history.py): bounded by the
+"""The SQLite store's history of durable changes (app/store/sqlite/history.py): bounded by the
 number of revisions and by the bytes of the values it holds, trimmed from the oldest."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from app.store import Entry
-from app.store.sqlite_file import Change
-from app.store.sqlite_history import History
+from app.store.sqlite.file import Change
+from app.store.sqlite.history import History
 
 pytestmark = pytest.mark.unit
 

@@ -8,14 +8,14 @@ import ast
 
 import pytest
 
-from app.errors import StoreUnavailable, at_edge
+from app.core.errors import StoreUnavailable, at_edge
 from app.store import Unavailable
-from tests.support.server import ROOT
+from harness.server import ROOT
 
 pytestmark = pytest.mark.unit
 
 STORE = ROOT / "app" / "store"
-FORBIDDEN = ("app.errors", "app.api", "app.registry", "app.main", "fastapi", "starlette")
+FORBIDDEN = ("app.core.errors", "app.api", "app.registry", "app.main", "fastapi", "starlette")
 
 
 def test_no_store_module_imports_http_or_the_domain() -> None:

@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from app.watch.pages import encode_token
+from harness.etcd import SKIP_REASON, etcd_available
+from harness.server import RegistryProcess
 from tests.app.store.conftest import shared_etcd, shared_secure_etcd
-from tests.support.etcd import SKIP_REASON, etcd_available
 from tests.support.faults import agent_body, open_body
-from tests.support.server import RegistryProcess
 from tests.support.watch import WatchLines
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(120)]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.support.server import ROOT
+from harness.server import ROOT
 
 pytestmark = [pytest.mark.workers, pytest.mark.timeout(150)]
 

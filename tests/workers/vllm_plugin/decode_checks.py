@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from workers.client import RegistryClient
+from registry_client.client import RegistryClient
 from workers.tools.vllm_launch import Instance
 
 REGISTRY_HANDSHAKE = re.compile(

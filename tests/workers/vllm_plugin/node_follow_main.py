@@ -16,8 +16,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from workers.client import RegistryClient
-from workers.models import Handshake
+from registry_client.client import RegistryClient
+from registry_client.models import Handshake
 from workers.vllm_plugin import release
 from workers.vllm_plugin.settings import PluginSettings
 

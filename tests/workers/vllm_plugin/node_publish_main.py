@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from workers.client import RegistryClient
-from workers.errors import EngineIdentityError
+from registry_client.client import RegistryClient
+from registry_client.errors import EngineIdentityError
+from registry_client.models import AgentItem, KvSpec
 from workers.identity import sync_engine_id
-from workers.models import AgentItem, KvSpec
 from workers.vllm_plugin.node_publish import publish_by_node
 
 

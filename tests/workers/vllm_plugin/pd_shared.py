@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
+from registry_client.client import RegistryClient
 from tests.workers.vllm_plugin.routing import Routing
-from workers.client import RegistryClient
 from workers.tools.vllm_launch import ROOT, Instance, Registry
 from workers.tools.vllm_pd import pd_complete
 

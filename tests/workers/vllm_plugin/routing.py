@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
+from registry_client.client import RegistryClient
+from registry_client.models import Engine
 from tests.workers.vllm_plugin.conftest import FIGURES, MACHINE
-from workers.client import RegistryClient
-from workers.models import Engine
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 from workers.tools.vllm_launch import Instance
 from workers.tools.vllm_pd import complete

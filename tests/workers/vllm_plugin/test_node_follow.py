@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import RegistryProcess
+from registry_client.client import RegistryClient
+from registry_client.models import Engine
 from tests.support.faults import agent_body
-from tests.support.server import RegistryProcess
 from tests.workers.vllm_plugin.decode_checks import metric
-from workers.client import RegistryClient
-from workers.models import Engine
 from workers.tools.procs import Proc
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(90)]

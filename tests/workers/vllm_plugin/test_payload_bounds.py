@@ -17,9 +17,9 @@ import httpx
 import msgpack
 import pytest
 
-from tests.support.server import RegistryProcess, free_port
-from workers.client import RegistryClient
-from workers.models import KvSpec
+from harness.server import RegistryProcess, free_port
+from registry_client.client import RegistryClient
+from registry_client.models import KvSpec
 from workers.vllm_plugin import payload_bounds, via_registry
 from workers.vllm_plugin.settings import PluginSettings
 
@@ -195,7 +195,7 @@ def test_the_registry_refuses_an_absurd_kv_description(
 
 
 def test_the_plugins_limits_are_the_registrys() -> None:
-    from app import schemas
+    from app.core import schemas
 
     for name in ("MAX_KV_REGIONS", "MAX_NUM_BLOCKS", "MAX_BLOCK_LEN", "MAX_KV_DESCRIPTORS"):
         assert getattr(payload_bounds, name) == getattr(schemas, name), name

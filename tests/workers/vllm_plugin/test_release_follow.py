@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import free_port
-from workers.models import Engine, Handshake
+from harness.server import free_port
+from registry_client.models import Engine, Handshake
 from workers.vllm_plugin import release
 from workers.vllm_plugin.settings import PluginSettings
 

@@ -79,7 +79,7 @@ def test_published_once_the_grpc_health_service_answers_serving(
 
 
 def test_the_registry_stores_a_grpc_url_as_published_and_refuses_other_schemes() -> None:
-    from app.addresses import serving_url
+    from app.core.addresses import serving_url
 
     assert serving_url("grpc://10.0.0.12:50051") == "grpc://10.0.0.12:50051"
     assert serving_url("GRPC://[::1]:50051/") == "grpc://[::1]:50051"

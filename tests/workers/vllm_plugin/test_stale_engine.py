@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.server import RegistryProcess, free_port
-from workers.client import RegistryClient
+from harness.server import RegistryProcess, free_port
+from registry_client.client import RegistryClient
 from workers.vllm_plugin.settings import PluginSettings
 from workers.vllm_plugin.stale import StaleRemoteEngine, guard, verdict
 

@@ -22,9 +22,9 @@ import msgpack
 import pytest
 import zmq
 
-from tests.support.server import RegistryProcess, free_port
-from workers.client import RegistryClient
-from workers.models import KvSpec
+from harness.server import RegistryProcess, free_port
+from registry_client.client import RegistryClient
+from registry_client.models import KvSpec
 from workers.vllm_plugin import metrics, release, via_registry
 from workers.vllm_plugin.settings import PluginSettings
 from workers.vllm_plugin.stale import StaleRemoteEngine

@@ -20,6 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from registry_client.client import RegistryClient
+from registry_client.errors import NotFound
+from registry_client.models import Engine
 from tests.workers.vllm_plugin.conftest import DP_RANKS, FIGURES
 from tests.workers.vllm_plugin.decode_checks import (
     connector_ids,
@@ -30,9 +33,6 @@ from tests.workers.vllm_plugin.decode_checks import (
 )
 from tests.workers.vllm_plugin.pd_shared import PROMPT, START_S
 from tests.workers.vllm_plugin.routing import Routing, serving
-from workers.client import RegistryClient
-from workers.errors import NotFound
-from workers.models import Engine
 from workers.tools.vllm_launch import Instance, Registry
 from workers.tools.vllm_pd import DP_RANK_HEADER, nixl_transfers, pd_complete
 from workers.vllm_plugin.resolve import resolve_remote_engine

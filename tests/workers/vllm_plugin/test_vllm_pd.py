@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from registry_client.errors import EngineSuperseded
 from tests.workers.vllm_plugin.conftest import FIGURES, REQUESTS
 from tests.workers.vllm_plugin.cpu_path import report_the_cpu_path
 from tests.workers.vllm_plugin.decode_checks import (
@@ -30,7 +31,6 @@ from tests.workers.vllm_plugin.decode_checks import (
 from tests.workers.vllm_plugin.pd_shared import NOFIX, START_S, Shared
 from tests.workers.vllm_plugin.registry_requests import report_and_check
 from tests.workers.vllm_plugin.routing import serving, stale_request_fails_at_once
-from workers.errors import EngineSuperseded
 from workers.tools.vllm_launch import Instance, Registry, free_port
 from workers.tools.vllm_pd import complete, nixl_transfers, pd_complete
 from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK

@@ -1,0 +1,1 @@
+"""The service's foundations: settings, logs, errors and problems, budgets, metrics."""

@@ -1,0 +1,35 @@
+"""The store's layout: the key of each record of a group (its engine, its serving URL, each
+rank's agent and blob), and a record's stored bytes. Every package that reads the store names
+keys through here."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+
+def engine(gid: str) -> str:
+    return f"groups/{gid}/engine"
+
+
+def group_prefix(gid: str) -> str:
+    return f"groups/{gid}/"
+
+
+def serving(gid: str) -> str:
+    return f"groups/{gid}/serving"
+
+
+def agent_prefix(gid: str) -> str:
+    return f"groups/{gid}/agents/"
+
+
+def agent(gid: str, rank: int) -> str:
+    return f"groups/{gid}/agents/{rank:05d}"
+
+
+def blob(gid: str, rank: int) -> str:
+    return f"blobs/{gid}/{rank:05d}"
+
+
+def dump(model: BaseModel) -> bytes:
+    return model.model_dump_json().encode()

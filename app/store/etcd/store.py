@@ -1,0 +1,400 @@
+"""The etcd store: the storage interface on an etcd v3 cluster, one gRPC channel per endpoint
+(``aetcd``'s stubs, asyncio; TLS and auth in ``etcd_conn``), one RPC per call:
+
+- a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
+  header's revision answers, won or lost; a prefix delete is a DeleteRange;
+- leases are etcd leases, expiring on the cluster's clock; what one has left is known when
+  this store granted or renewed it, else asked once per ``lease_cache_s`` (default: a third
+  of its TTL) however many readers want it. A lease only gains time (renewed through another
+  replica): the figure is a lower bound, asked again when it runs out. Renewals go through a
+  few long-lived keep-alive streams a member (``etcd_keepalive``), each answer with the
+  revision it was applied at;
+- ``range`` is one linearizable Range (never stale), a prefix in pages (``etcd_range``);
+- ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
+  store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
+  every waiter, an answer from another member than a watch's makes its waiters re-read.
+
+Every call has one deadline, ``timeout_s``, shared among the endpoints (the preferred first, a
+fair share of the time left each); at most ``max_in_flight`` calls in flight, the rest queue
+(``etcd_cluster``). Any failure is :class:`Unavailable`, never a hang. Keys: ``/{prefix}/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any
+
+import aetcd
+from aetcd import rpc
+from aetcd.utils import prefix_range_end
+
+from app.store.base import (
+    ChangeBatch,
+    Compare,
+    Entry,
+    Lease,
+    Op,
+    Put,
+    Snapshot,
+    Store,
+    TxnResult,
+    Unavailable,
+)
+from app.store.etcd import ranges as etcd_range
+from app.store.etcd import watch as etcd_watch
+from app.store.etcd.cluster import Cluster
+from app.store.etcd.config import EtcdAccess, EtcdUrl, parse_url
+from app.store.etcd.keepalive import KeepAlives, Renewed
+from app.store.etcd.state import LeaseBook, WatchHub
+
+
+class EtcdStore(Store):
+    renewal_revisions = True
+    remote_reads = True
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        prefix: str = "engine-registry",
+        *,
+        tls: bool = False,
+        access: EtcdAccess | None = None,
+        timeout_s: float = 10.0,
+        probe_interval_s: float = 1.0,
+        lease_cache_s: float | None = None,
+        # A bound against floods, not a throttle: a slot stays held until this process reads
+        # the answer, so under a storm a small bound starves calls etcd would answer at once.
+        max_in_flight: int = 2048,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self._root = f"/{prefix.strip('/')}/".encode()
+        # Never any credentials: they come from files, not from the URL.
+        self.description = EtcdUrl(self.endpoints, prefix.strip("/"), tls).describe()
+        self._cluster = Cluster(
+            self.endpoints,
+            tls=tls,
+            access=access or EtcdAccess(),
+            timeout_s=timeout_s,
+            max_in_flight=max_in_flight,
+        )
+        self._call = self._cluster.call
+        self._probe_interval_s = probe_interval_s
+        self._leases = LeaseBook(lease_cache_s)
+        self._asking: dict[int, asyncio.Task[float]] = {}
+        self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
+        self._keepalives: weakref.WeakKeyDictionary[Any, KeepAlives] = weakref.WeakKeyDictionary()
+        self._hubs: dict[str, WatchHub] = {}
+        self._waiters = 0
+        self._prober: asyncio.Task[None] | None = None
+        self._trouble: asyncio.Future[Unavailable] | None = None
+        self._closed = False
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, timeout_s: float = 10.0, access: EtcdAccess | None = None
+    ) -> EtcdStore:
+        """``etcd[s]://h:p[,h:p…]/prefix``; ``access``: TLS files and credentials."""
+        parsed = parse_url(url)
+        access = access or EtcdAccess()
+        access.check(url)
+        return cls(
+            parsed.endpoints, parsed.prefix, tls=parsed.tls, access=access, timeout_s=timeout_s
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _key(self, key: str) -> bytes:
+        return self._root + key.encode()
+
+    def _unkey(self, key: bytes) -> str:
+        return bytes(key)[len(self._root) :].decode()
+
+    def _entry(self, kv: Any) -> Entry:
+        return Entry(self._unkey(kv.key), bytes(kv.value), int(kv.mod_revision), kv.lease or None)
+
+    async def _head(self, client: aetcd.Client, seconds: float) -> int:
+        """The store's revision, by a linearizable read of one (absent) key."""
+        reply = await client.kvstub.Range(rpc.RangeRequest(key=self._root), timeout=seconds)
+        return int(reply.header.revision)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def _read(self, key: bytes, end: bytes = b"") -> Any:
+        """One linearizable Range, shared by every identical read that comes before it is
+        sent (while it waits for a slot, say): each of them began before the read did, so
+        the answer is linearizable for all. A storm's reads come in such bursts (the ranks
+        of a group fetching its engine at once, the waiters on it waking at once)."""
+        pending = self._reads.get((key, end)) or self._send_read(key, end)
+        try:
+            return await asyncio.shield(pending)
+        except Unavailable as exc:
+            raise Unavailable(exc.detail) from exc  # each reader its own
+
+    def _send_read(self, key: bytes, end: bytes) -> asyncio.Future[Any]:
+        request = etcd_range.first_page(key, end)  # a prefix's first page (_read_prefix)
+
+        def send(client: aetcd.Client, seconds: float) -> Awaitable[Any]:
+            settle(read)  # sent: later readers need a read of their own
+            reply: Awaitable[Any] = client.kvstub.Range(request, timeout=seconds)
+            return reply
+
+        def settle(done: asyncio.Future[Any]) -> None:
+            if self._reads.get((key, end)) is done:
+                del self._reads[(key, end)]
+            if done.done() and not done.cancelled():
+                done.exception()  # retrieved: its readers raise their own
+
+        read = self._reads[(key, end)] = asyncio.ensure_future(self._call("read", send))
+        read.add_done_callback(settle)
+        return read
+
+    async def get(self, key: str, *, settled: bool = True) -> Entry | None:
+        reply = await self._read(self._key(key))
+        return self._entry(reply.kvs[0]) if reply.kvs else None
+
+    async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
+        kvs, revision = await self._read_prefix(prefix)
+        entries = [self._entry(kv) for kv in kvs]  # etcd answers in key order
+        leases = {e.lease for e in entries if e.lease is not None}
+        remaining = await self._remaining(leases) if leases else {}
+        return Snapshot(entries, revision, remaining)
+
+    async def _read_prefix(self, prefix: str) -> tuple[list[Any], int]:
+        """Every key under ``prefix`` at one revision, in pages; the first is linearizable."""
+        start, end = self._key(prefix), prefix_range_end(self._key(prefix))
+        return await etcd_range.rest(self._call, await self._read(start, end), end)
+
+    async def _remaining(self, leases: set[int]) -> dict[int, float]:
+        known = {lease: self._leases.remaining(lease) for lease in leases}
+        out = {lease: left for lease, left in known.items() if left is not None}
+        ask = [lease for lease, left in known.items() if left is None]
+        for lease in ask:  # one question per lease however many readers want it at once
+            if lease not in self._asking:
+                self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
+        found = await asyncio.gather(*(asyncio.shield(self._asking[k]) for k in ask))
+        return out | dict(zip(ask, found, strict=True))
+
+    async def _ask_lease(self, lease: int) -> float:
+        request = rpc.LeaseTimeToLiveRequest(ID=lease)
+        try:
+            info = await self._call(
+                "lease read", lambda c, t: c.leasestub.LeaseTimeToLive(request, timeout=t)
+            )
+        finally:
+            self._asking.pop(lease, None)
+        self._leases.asked(lease, max(0.0, float(info.TTL)), int(info.grantedTTL))
+        return max(0.0, float(info.TTL))
+
+    # -- writes ----------------------------------------------------------------------------
+
+    async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
+        checks = [
+            rpc.Compare(key=self._key(c.key), target=rpc.Compare.VERSION, version=0)
+            if c.mod_revision == 0
+            else rpc.Compare(
+                key=self._key(c.key), target=rpc.Compare.MOD, mod_revision=c.mod_revision
+            )
+            for c in compares
+        ]  # result EQUAL is the default
+        requests = []
+        for op in ops:
+            key = self._key(op.key)
+            if isinstance(op, Put):
+                put = rpc.PutRequest(key=key, value=op.value, lease=op.lease or 0)
+                requests.append(rpc.RequestOp(request_put=put))
+            else:
+                end = prefix_range_end(key) if op.prefix else b""
+                delete = rpc.DeleteRangeRequest(key=key, range_end=end)
+                requests.append(rpc.RequestOp(request_delete_range=delete))
+        request = rpc.TxnRequest(compare=checks, success=requests)
+
+        async def fn(client: aetcd.Client, seconds: float) -> TxnResult:
+            try:
+                reply = await client.kvstub.Txn(request, timeout=seconds)
+            except rpc.AioRpcError as exc:
+                if exc.code() != rpc.StatusCode.NOT_FOUND:  # a Put named a lease that is gone
+                    raise
+                return TxnResult(False, await self._head(client, seconds))
+            # Won: the Txn's own revision; lost: the store's revision at the compare.
+            return TxnResult(bool(reply.succeeded), int(reply.header.revision))
+
+        return await self._call("transaction", fn)
+
+    async def grant_lease(self, ttl_s: int) -> Lease:
+        request = rpc.LeaseGrantRequest(TTL=ttl_s)
+        granted = await self._call(
+            "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
+        )
+        lease = Lease(int(granted.ID), int(granted.TTL), float(granted.TTL))
+        self._leases.granted(lease.id, lease.remaining_s)
+        return lease
+
+    async def refresh_lease(self, lease_id: int) -> Lease | None:
+        async def fn(client: aetcd.Client, seconds: float) -> Renewed:
+            streams = self._keepalives.get(client)
+            if streams is None:
+                streams = self._keepalives[client] = KeepAlives(client)
+            return await streams.renew(lease_id, seconds)
+
+        renewed = await self._call("lease refresh", fn)
+        if renewed.ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
+            self._leases.granted(lease_id, None)
+            return None
+        self._leases.granted(lease_id, float(renewed.ttl))
+        return Lease(lease_id, renewed.ttl, float(renewed.ttl), renewed.revision)
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        request = rpc.LeaseRevokeRequest(ID=lease_id)
+
+        async def fn(client: aetcd.Client, seconds: float) -> None:
+            try:
+                await client.leasestub.LeaseRevoke(request, timeout=seconds)
+            except rpc.AioRpcError as exc:
+                if exc.code() != rpc.StatusCode.NOT_FOUND:
+                    raise
+
+        await self._call("lease revoke", fn)
+        self._leases.granted(lease_id, None)
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    async def wait(self, prefix: str, after_revision: int, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        hub = await self._hub(prefix[: prefix.find("/") + 1], after_revision + 1)
+        # History gone, or the hub may have missed a change: the caller re-reads.
+        if hub is None or hub.track(prefix) > after_revision + 1:
+            return True
+        trouble = self._watch_health()
+        self._waiters += 1
+        try:
+            while hub.latest.get(prefix, 0) <= after_revision:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return False
+                either: list[asyncio.Future[Any]] = [hub.next_change(prefix), trouble, hub.dead]
+                await asyncio.wait(either, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                if trouble.done():
+                    raise Unavailable(trouble.result().detail)
+                if hub.dead.done():  # the stream broke (a member died): re-read via failover
+                    await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+                    return True
+            return True
+        finally:
+            self._waiters -= 1
+
+    async def _hub(self, segment: str, start: int) -> WatchHub | None:
+        hub = self._hubs.get(segment)
+        if hub is not None:
+            await asyncio.shield(hub.opened)
+            return hub
+        hub = self._hubs[segment] = WatchHub(start, self._cluster.preferred)
+        key = self._key(segment)
+
+        async def open_watch(client: aetcd.Client, seconds: float) -> Any:
+            hub.index = self._cluster.index(client)
+            try:
+                async with asyncio.timeout(seconds):
+                    end = prefix_range_end(key)
+                    return await client.watch(key, range_end=end, start_revision=start)
+            except aetcd.RevisionCompactedError:
+                return None  # history is gone: report a change, the caller re-reads
+
+        try:
+            watch = await self._call("watch", open_watch)
+        except BaseException as exc:
+            self._bury(segment, hub)
+            hub.opened.set_exception(exc)
+            hub.opened.exception()  # retrieved; the waiters sharing this opening get it too
+            raise
+        hub.opened.set_result(None)
+        if watch is None:
+            self._bury(segment, hub)
+            return None
+        hub.task = asyncio.create_task(self._follow(segment, hub, watch))
+        return hub
+
+    async def _follow(self, segment: str, hub: WatchHub, watch: Any) -> None:
+        try:
+            async for event in watch:
+                hub.dispatch(self._unkey(event.kv.key), int(event.kv.mod_revision))
+        except Exception:  # a broken stream wakes its waiters, who re-read
+            pass
+        finally:
+            self._bury(segment, hub)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(watch.cancel(), 1.0)  # else etcd streams on to nobody
+
+    def _bury(self, segment: str, hub: WatchHub) -> None:
+        if self._hubs.get(segment) is hub:
+            del self._hubs[segment]
+        hub.end()
+
+    def changes(
+        self,
+        prefix: str,
+        start_revision: int,
+        progress_s: float,
+        nudge: asyncio.Event | None = None,
+    ) -> AsyncIterator[ChangeBatch]:
+        """etcd's own watch and revisions (``etcd_watch``)."""
+        return etcd_watch.follow(self._call, self._root, prefix, start_revision, progress_s, nudge)
+
+    async def entries(self, prefix: str) -> Snapshot:
+        kvs, revision = await self._read_prefix(prefix)
+        return Snapshot([self._entry(kv) for kv in kvs], revision, {})
+
+    async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
+        return await self._remaining(leases) if leases else {}
+
+    async def revision(self) -> int:
+        return await self._call("read", self._head)
+
+    def _watch_health(self) -> asyncio.Future[Unavailable]:
+        """The future a failed probe resolves, with a prober running to resolve it."""
+        if self._trouble is None or self._trouble.done():
+            self._trouble = asyncio.get_running_loop().create_future()
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._probe())
+        return self._trouble
+
+    async def _probe(self) -> None:
+        """While anyone waits: one linearizable read per interval for the whole store. A
+        failure fails every waiter; an answer from another member than a watch's ends that
+        watch (the member may be cut off, its watch silent) and its waiters re-read."""
+        while self._waiters:
+            await asyncio.sleep(self._probe_interval_s)
+            try:
+                await self._call("read", self._head, slots=0)
+            except Unavailable as exc:
+                if self._trouble is not None and not self._trouble.done():
+                    self._trouble.set_result(exc)
+                return
+            for segment, hub in list(self._hubs.items()):
+                if hub.index != self._cluster.preferred and hub.opened.done():
+                    self._bury(segment, hub)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._cluster.start(self._root)
+
+    async def ping(self) -> None:
+        await self._call("read", self._head)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in [self._prober, *(h.task for h in self._hubs.values())]:
+            if task is not None:
+                task.cancel()
+        self._hubs.clear()
+        for streams in list(self._keepalives.values()):
+            streams.close()
+        await self._cluster.close()
