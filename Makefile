@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-SOURCES := app workers tests bench
+SOURCES := app registry_client workers harness tests bench
 
 .PHONY: run test test-tier test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
 

@@ -35,6 +35,24 @@ def client(registry_server: RegistryProcess) -> Iterator[httpx.Client]:
 # was missing, so a green run means every tier ran.
 
 
+def _serve(tmp_path: Path, name: str) -> Iterator[str]:
+    store = f"sqlite:///{tmp_path / f'{name}.db'}"
+    with RegistryProcess(store, log_path=tmp_path / f"{name}.log") as server:
+        yield server.url
+
+
+@pytest.fixture
+def registry_url(tmp_path: Path) -> Iterator[str]:
+    """URL of a real registry process on loopback (fresh SQLite file, no tokens)."""
+    yield from _serve(tmp_path, "registry")
+
+
+@pytest.fixture
+def other_registry_url(tmp_path: Path) -> Iterator[str]:
+    """A second, unrelated registry: it never issued the first one's engine ids."""
+    yield from _serve(tmp_path, "other-registry")
+
+
 def require_all() -> bool:
     ci = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
     return ci or os.environ.get("ENGINE_REGISTRY_REQUIRE_ALL") == "1"

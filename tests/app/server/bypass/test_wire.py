@@ -15,7 +15,7 @@ import pytest
 
 from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body
-from tests.app.api.test_fastpath import _raw
+from tests.app.server.bypass.test_fastpath import _raw
 
 pytestmark = pytest.mark.api
 

@@ -19,7 +19,7 @@ import pytest
 
 from harness.server import ROOT, RegistryProcess
 from tests.app.api.conftest import agent_body, launch
-from tests.app.test_cli_watch import Output, _sigint_default
+from tests.registry_client.test_status_view import Output, _sigint_default
 from tests.support.cut_proxy import CutProxy
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(120)]
