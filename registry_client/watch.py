@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import httpx
 
@@ -47,24 +47,7 @@ from registry_client.errors import (
     problem_class,
 )
 from registry_client.models import Engine
-from registry_client.tls import ClientTLS
-
-
-class Transport(Protocol):
-    """What a watch needs of a `registry_client.client.RegistryClient`: its replicas' URLs, its
-    connect timeout, its HTTP client (headers carry the token), its TLS, and its request."""
-
-    urls: list[str]
-    connect_timeout_s: float
-    tls: ClientTLS
-
-    @property
-    def http(self) -> httpx.Client: ...
-
-    def request(
-        self, method: str, path: str, *, params: dict[str, Any] | None = None
-    ) -> httpx.Response: ...
-
+from registry_client.transport import ReplicaTransport
 
 EventType = Literal["SYNC", "ADDED", "MODIFIED", "DELETED", "BOOKMARK"]
 PAGE = 500
@@ -150,7 +133,7 @@ class Cursor:
 class _Watch:
     def __init__(
         self,
-        client: Transport,
+        client: ReplicaTransport,
         *,
         revision: int | None,
         role: str | None,

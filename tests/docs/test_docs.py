@@ -374,9 +374,9 @@ def registry_error_codes() -> dict[str, tuple[int, str]]:
 
 
 def server_codes() -> dict[str, tuple[int, str]]:
-    """code → (status, where) of the answers app/server/serve.py writes itself
+    """code → (status, where) of the answers app/server/protocol.py writes itself
     (``self._refuse(status, reason, code, detail)``)."""
-    path = ROOT / "app" / "server" / "serve.py"
+    path = ROOT / "app" / "server" / "protocol.py"
     codes: dict[str, tuple[int, str]] = {}
     for node in ast.walk(ast.parse(path.read_text())):
         if (

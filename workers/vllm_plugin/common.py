@@ -9,8 +9,9 @@ import socket
 import sys
 from typing import Any
 
-from registry_client.client import USER_AGENT, RegistryClient
+from registry_client.client import RegistryClient
 from registry_client.models import Role
+from registry_client.transport import USER_AGENT
 from workers.vllm_plugin.settings import PluginSettings
 
 # A child of vLLM's logger, so lines appear in vLLM's output with its prefixes (rank, pid).
