@@ -21,6 +21,9 @@ Policy, in one place:
   not in the same second. A line heard resets it.
 - ``role`` and ``model`` (the engine's ``compat["model"]``) filter on the server: a group
   that enters the filter comes as ``ADDED``, one that leaves it as ``DELETED``.
+- A replica that answers the watch again after failures is logged once (INFO, logger
+  ``registry_client.watch``): where, from which revision, after how many tries and how long
+  unheard, so a consumer's log says when it was blind.
 - A refusal that retrying cannot fix (401, 403, 422) raises its `ProblemError` at once.
 - Nothing heard from any replica for ``lost_after_s`` (no line, no answer) raises
   `WatchLost` (a `RegistryUnavailable`).
@@ -204,6 +207,20 @@ class _Watch:
             raise _Resume(f"{response.status_code} {problem.get('code', '')}", floor)
         raise cls(problem, status=response.status_code, url=str(response.url))
 
+    def answered(self, url: str, cursor: Cursor) -> None:
+        """A replica took the watch (200): after failures, say when and where it came back."""
+        if self.failures:
+            log.info(
+                "watch: back on %s from revision %d after %d failed tries, %.1f s unheard "
+                "(last: %s)",
+                url,
+                cursor.resume_from,
+                len(self.failures),
+                time.monotonic() - self.heard,
+                self.failures[-1],
+            )
+        self.heard = time.monotonic()
+
     def handle(self, raw: str) -> WatchEvent | None:
         assert self.cursor is not None
         self.heard = time.monotonic()
@@ -257,7 +274,7 @@ class GroupWatch(_Watch):
                 ) as response:
                     if response.status_code != 200:
                         self.check(response, response.read())
-                    self.heard = time.monotonic()
+                    self.answered(url, self.cursor)
                     for raw in response.iter_lines():
                         if raw and (event := self.handle(raw)) is not None:
                             yield event
@@ -319,7 +336,7 @@ class AsyncGroupWatch(_Watch):
                     ) as response:
                         if response.status_code != 200:
                             self.check(response, await response.aread())
-                        self.heard = time.monotonic()
+                        self.answered(url, self.cursor)
                         async for raw in response.aiter_lines():
                             if raw and (event := self.handle(raw)) is not None:
                                 yield event
