@@ -18,6 +18,7 @@ import pytest
 from harness.server import RegistryProcess
 from tests.app.conftest import READER, WORKER, tokens_file
 from tests.support.pd_stand_in import StandIn, StandIns
+from workers.tools.procs import log_tail
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(240)]
@@ -25,11 +26,14 @@ COMPAT = {"model": "tiny", "block_size": 16, "dtype": "bfloat16"}
 EXPIRY_S = 5.0  # vllm-router forgets an instance not announced for this long
 
 
-def wait_for(check: Callable[[], bool], within_s: float, what: str) -> float:
-    """Seconds until ``check()`` held; fails naming ``what`` past ``within_s``."""
+def waited(
+    check: Callable[[], bool], within_s: float, what: str, logs: Callable[[], str] = str
+) -> float:
+    """Seconds until ``check()`` held; fails naming ``what`` past ``within_s``, with
+    ``logs()`` (what the processes said)."""
     t0 = time.monotonic()
     while not check():
-        assert time.monotonic() - t0 < within_s, f"{what}: not within {within_s} s"
+        assert time.monotonic() - t0 < within_s, f"{what}: not within {within_s} s\n{logs()}"
         time.sleep(0.2)
     return time.monotonic() - t0
 
@@ -59,6 +63,13 @@ class Fleet:
         )
         assert published.status_code == 200, published.text
         return instance
+
+    def watchers(self) -> float:
+        """Watch streams open on the registry (its ``registry_watchers`` gauge)."""
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith("registry_watchers "):
+                return float(line.split()[1])
+        return 0.0
 
     def register(self, gid: str, engine_id: str, ttl_s: int) -> None:
         agent = {
@@ -107,6 +118,16 @@ def test_a_vllm_router_fed_only_by_router_sync_follows_the_registry(
     fleet = Fleet(registry, stand_ins)
     router = VllmRouterProcess(workdir).start()
     sync = RouterSyncProcess(workdir, registry.url, [router.discovery], token=READER)
+
+    def logs() -> str:
+        return (
+            f"router-sync's log:\n{sync.log_text()[-4000:]}\n"
+            f"the registry's last lines:\n{log_tail(registry.log_path, 4000)}"
+        )
+
+    def wait_for(check: Callable[[], bool], within_s: float, what: str) -> float:
+        return waited(check, within_s, what, logs)
+
     try:
         p1 = fleet.launch("prefill-a", "prefill")
         d1 = fleet.launch("decode-a", "decode")
@@ -155,8 +176,14 @@ def test_a_vllm_router_fed_only_by_router_sync_follows_the_registry(
 
         # A decode instance whose rank stops renewing its lease: once the lease lapses the
         # router is told no more, and forgets it after its expiry.
-        # router-sync's watch comes back on its jittered back-off (capped at 10 s), which
-        # grew while the registry was away: up to a cap's pause, then a round.
+        # router-sync's watch comes back on its jittered back-off (the watch's, capped at 8 s),
+        # which grew while the registry was away. The decode's lease lives 5 s: launched before
+        # the watch is back, it could lapse before router-sync hears of it (about 1 run in
+        # 10), and then it is rightly never offered
+        # (tests/registry_client/router_sync/test_registry_restart.py). So the watch first
+        # (at most its cap, 8 s, after the registry is up, or at its 15 s deadline); its log
+        # says when ("watch: back on ...").
+        wait_for(lambda: fleet.watchers() >= 1, 15, "router-sync's watch back")
         d2 = fleet.launch("decode-a", "decode", ttl_s=5)
         wait_for(lambda: "offer decode decode-a (generation 2" in sync.log_text(), 25, "d2")
         stopped = time.monotonic()
