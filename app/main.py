@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from app.api.routes import engines, health, instances, status_page, tp_groups
+from app.api.routes import engines, health, instances, keepalive, status_page, tp_groups
 from app.core.errors import (
     HttpProblem,
     InvalidRequest,
@@ -114,6 +114,10 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.include_router(health.router)
     app.include_router(status_page.router)
     app.include_router(admin_router)
+    app.router.routes.append(keepalive.route)  # GET /keepalive: a WebSocket (renewals)
+    app.state.keepalive = keepalive.KeepAliveLimits(
+        settings.keepalive_max, settings.keepalive_idle_s
+    )
     app.state.tokens = tokens
     app.state.store_timeout_s = settings.store_timeout_s
 

@@ -8,6 +8,10 @@ Two ways, one heartbeat loop (`LeaseKeeper`):
   leader) in one request and one transaction (`PUT .../agents`, one shared lease, all or
   none) and renews them with one heartbeat (`POST .../agents/heartbeat`).
 
+Both renew over the registry's keep-alive stream (`GET /keepalive`, `workers.keepalive`: one
+WebSocket, one small message per renewal, the same answers) while it serves one, and over
+the REST heartbeat when it refuses the stream (an older registry) or the stream breaks.
+
 The loop's rules are the same for both: a heartbeat every `ttl_s * fraction` seconds; after a
 404 (a lease expired, say after a registry outage) register again; after a 409 (a newer
 launch superseded the engine) stop, log loudly, set `superseded` and call `on_superseded`:
@@ -34,6 +38,7 @@ from registry_client.backoff import Backoff
 from registry_client.client import RegistryClient
 from registry_client.errors import EngineIdMismatch, NotFound, RegistryError
 from registry_client.models import AgentItem, EngineIdentity, KvSpec
+from workers.keepalive import KeepAliveStream
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +58,14 @@ class LeaseKeeper:
         logger: logging.Logger | None = None,
         close_timeout_s: float = 5.0,
         wait: Callable[[float], bool] | None = None,
+        keepalive: bool = True,
     ) -> None:
         """`wait(seconds)`: sleep between heartbeats, True when the keeper is stopping
-        (default: the stop event's own wait; tests pass a fake clock's)."""
+        (default: the stop event's own wait; tests pass a fake clock's). `keepalive`: renew
+        over the registry's keep-alive stream while it serves one (`workers.keepalive`)."""
         self._client = make_client()
         self._hb_client = make_client()  # one httpx client per thread
+        self.stream = KeepAliveStream(self._hb_client, logger=logger) if keepalive else None
         self.identity = identity
         self.label = label
         self.ttl_s = ttl_s
@@ -84,6 +92,19 @@ class LeaseKeeper:
         raise NotImplementedError
 
     def _renew(self, client: RegistryClient, timeout_s: float) -> None:
+        """One renewal of the keeper's ranks: over the keep-alive stream while there is one,
+        else the REST heartbeat (`_rest_renew`)."""
+        stream, identity = self.stream, self.identity
+        ranks = self._ranks()
+        if stream is None or (
+            stream.renew(identity.group_id, identity.engine_id, ranks, timeout_s) is None
+        ):
+            self._rest_renew(client, timeout_s)
+
+    def _ranks(self) -> list[int]:
+        raise NotImplementedError
+
+    def _rest_renew(self, client: RegistryClient, timeout_s: float) -> None:
         raise NotImplementedError
 
     def _deregister(self, client: RegistryClient, timeout_s: float) -> None:
@@ -154,6 +175,8 @@ class LeaseKeeper:
                 self._deregister(self._client, self.close_timeout_s)
             except RegistryError as exc:
                 self.log.warning("%s: deregistration failed: %s", self.label, exc)
+        if self.stream is not None:
+            self.stream.close()
         self._client.close()
         self._hb_client.close()
 
@@ -177,6 +200,7 @@ class Publication(LeaseKeeper):
         logger: logging.Logger | None = None,
         close_timeout_s: float = 5.0,
         wait: Callable[[float], bool] | None = None,
+        keepalive: bool = True,
     ) -> None:
         super().__init__(
             make_client,
@@ -188,6 +212,7 @@ class Publication(LeaseKeeper):
             logger=logger,
             close_timeout_s=close_timeout_s,
             wait=wait,
+            keepalive=keepalive,
         )
         self.rank = rank
         self.agent_name = agent_name
@@ -209,7 +234,10 @@ class Publication(LeaseKeeper):
         self.published = True
         return created
 
-    def _renew(self, client: RegistryClient, timeout_s: float) -> None:
+    def _ranks(self) -> list[int]:
+        return [self.rank]
+
+    def _rest_renew(self, client: RegistryClient, timeout_s: float) -> None:
         client.heartbeat(
             self.identity.group_id,
             self.rank,
@@ -244,6 +272,7 @@ class BatchPublication(LeaseKeeper):
         logger: logging.Logger | None = None,
         close_timeout_s: float = 5.0,
         wait: Callable[[float], bool] | None = None,
+        keepalive: bool = True,
     ) -> None:
         if not agents:
             raise ValueError("a batch publication needs at least one agent")
@@ -262,6 +291,7 @@ class BatchPublication(LeaseKeeper):
             logger=logger,
             close_timeout_s=close_timeout_s,
             wait=wait,
+            keepalive=keepalive,
         )
 
     def publish(self, client: RegistryClient | None = None) -> bool:
@@ -271,7 +301,10 @@ class BatchPublication(LeaseKeeper):
         self.published = True
         return bool(answer.created_ranks)
 
-    def _renew(self, client: RegistryClient, timeout_s: float) -> None:
+    def _ranks(self) -> list[int]:
+        return self.ranks
+
+    def _rest_renew(self, client: RegistryClient, timeout_s: float) -> None:
         client.heartbeat_agents(
             self.identity.group_id,
             engine_id=self.identity.engine_id,

@@ -16,7 +16,7 @@ from typing import Protocol
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.core.errors import Forbidden, RegistryError, Unauthorized
-from app.core.problems import send_problem
+from app.core.problems import problem_answer, send_problem
 from app.security.credentials import (
     ACTOR,
     ROLES,
@@ -148,6 +148,25 @@ def acting(scope: Scope) -> None:
         ACTOR.set(credential.name)
 
 
+WEBSOCKET = "WEBSOCKET"  # the method a WebSocket upgrade is judged as (a write: worker)
+
+
+async def send_refusal(
+    send: Send, error: RegistryError, scope: Scope, extra_headers: list[tuple[bytes, bytes]]
+) -> None:
+    """The problem+json answer to a request, or to a WebSocket upgrade refused before it is
+    accepted (the ASGI denial response; a server without it closes the upgrade: 403)."""
+    if scope["type"] == "http":
+        await send_problem(send, error, scope, extra_headers=extra_headers)
+        return
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008, "reason": error.code})
+        return
+    status, headers, body = problem_answer(error, scope, extra_headers)
+    await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body})
+
+
 class TokensHolder(Protocol):
     """Where the tokens in force are read per request (``app.security.tokens.TokenSource``)."""
 
@@ -163,14 +182,17 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         tokens = self.source.tokens
-        if scope["type"] != "http" or not tokens:
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or not tokens:
             await self.app(scope, receive, send)
             return
-        needed = required_role(scope["method"], scope["path"])
+        # A WebSocket upgrade (the keep-alive stream) renews leases: it needs a worker token.
+        method = scope["method"] if kind == "http" else WEBSOCKET
+        needed = required_role(method, scope["path"])
         if needed is None:
             await self.app(scope, receive, send)
             return
-        error = self.verdict(scope, tokens, needed)
+        error = self.verdict(scope, tokens, needed, method)
         if error is None:
             acting(scope)
             await self.app(scope, receive, send)
@@ -178,18 +200,21 @@ class AuthMiddleware:
         headers = [(b"www-authenticate", b'Bearer realm="engine-registry"')]
         if scope["path"] in BROWSER_PATHS:
             headers.append((b"www-authenticate", b'Basic realm="engine-registry", charset="UTF-8"'))
-        await send_problem(send, error, scope, extra_headers=headers if error.status == 401 else [])
+        await send_refusal(send, error, scope, headers if error.status == 401 else [])
 
     @staticmethod
-    def verdict(scope: Scope, tokens: Tokens, needed: RoleName) -> RegistryError | None:
+    def verdict(
+        scope: Scope, tokens: Tokens, needed: RoleName, method: str | None = None
+    ) -> RegistryError | None:
         """None when the request's credentials hold role ``needed`` and, for a scoped
         worker token's write to ``/tp-groups/{id}/…``, the group is in its scope (the role
         and the ``Credential`` are then in ``scope["state"]``); else the refusal."""
         error: RegistryError | None = None
+        method = method or scope["method"]
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, presented = header.partition(" ")
         scheme = scheme.lower()
-        if scheme == "basic" and scope["method"] in BASIC_METHODS:
+        if scheme == "basic" and method in BASIC_METHODS:
             scheme, presented = "bearer", basic_password(presented)
         credential = credential_of(tokens, presented.strip()) if scheme == "bearer" else None
         if credential is None:
@@ -201,8 +226,7 @@ class AuthMiddleware:
             )
         elif ROLES[credential.role] < ROLES[needed]:
             error = Forbidden(
-                f"This token's role is {credential.role}; {scope['method']} {scope['path']} "
-                f"needs {needed}."
+                f"This token's role is {credential.role}; {method} {scope['path']} needs {needed}."
             )
         elif needed == "worker" and credential.scope is not None:
             error = _path_scope(credential, credential.scope, scope["path"])

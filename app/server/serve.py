@@ -29,6 +29,7 @@ from fastapi import FastAPI
 
 from app.security.tls import server_context, tls_loop_factory
 from app.server.bypass import wanted
+from app.server.bypass.keepalive import FAST_MAX, KeepAliveWire
 from app.server.protocol import guarded_protocol
 from app.server.settings import Settings, is_loopback_host
 from app.server.shedding import install
@@ -90,6 +91,9 @@ def uvicorn_options(settings: Settings, *, bypass: bool | None = None) -> dict[s
             settings.body_timeout_s,
             bypass=bypass,
         ),
+        # Keep-alive streams: renewals read in the connection's protocol with the bypass on.
+        "ws": KeepAliveWire if bypass else "auto",
+        "ws_max_size": FAST_MAX,
         "loop": "uvloop",
         "log_config": None,
         "access_log": False,

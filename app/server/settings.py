@@ -121,6 +121,18 @@ class Settings(BaseSettings):
         "/status,/events,/metrics,/tp-groups,/instances",
         description="Paths whose GETs are shed under saturation, comma separated (empty: none).",
     )
+    keepalive_max: int = Field(
+        4096,
+        ge=0,
+        description="Keep-alive streams (GET /keepalive) per replica; past it, 503 overloaded "
+        "(the node renews over REST); 0: the route answers 404.",
+    )
+    keepalive_idle_s: float = Field(
+        3600.0,
+        gt=0,
+        le=86400,
+        description="A keep-alive stream with no renewal for this long is closed.",
+    )
     lease_grace_s: float = Field(
         60.0,
         ge=0,

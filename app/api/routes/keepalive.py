@@ -1,0 +1,177 @@
+"""``GET /keepalive``: a node's lease renewals over one long-lived WebSocket (etcd's
+LeaseKeepAlive), instead of one HTTP request per renewal.
+
+The upgrade is authenticated once, by ``AuthMiddleware`` (a worker token). Each client
+message is one renewal, a JSON array ``[group_id, engine_id, [rank, …]]``; the server answers
+each, in order, with what ``POST /tp-groups/{group_id}/engine/agents/heartbeat`` would answer:
+its ``Heartbeats`` body (``{"agents": [{"rank", "expires_at"}, …]}``) or its problem+json
+(``status`` and ``code`` in the object: 404 a rank with no live agent, 409 a superseded
+engine, 403 a group outside a scoped token's scope, 422 a malformed message). The renewal is
+``Registry.renew_agents``, the REST heartbeat's own, judged at the message's arrival and held
+in flight for the lease sweeper (``app/store/lease_clock.py``); the stream is never shed.
+Where the connection's protocol reads renewals itself (``app/server/bypass/keepalive.py``),
+this route hands it the renewals once the stream is open and keeps the rest: the limit, the
+idle deadline, revocation, and any message that protocol passes on.
+
+Every wait has a deadline: a stream with no message for ``REGISTRY_KEEPALIVE_IDLE_S`` is
+closed (1000), and a token a tokens-file reload drops ends its streams at once with a last
+``401 unauthorized`` answer and a close (1008). At most ``REGISTRY_KEEPALIVE_MAX`` streams are
+held; past it the upgrade gets ``503 overloaded`` (0: ``404``, the route is off), and the node
+renews over REST (``workers/keepalive.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.routing import WebSocketRoute
+from starlette.types import Receive, Scope, Send
+
+from app.core.errors import NotFound, Overloaded
+from app.registry import Registry
+from app.security.auth import CREDENTIAL, send_refusal
+from app.server.bypass.keepalive import EXTENSION, renewal_answer
+
+PATH = "/keepalive"
+
+
+@dataclass
+class KeepAliveLimits:
+    """``REGISTRY_KEEPALIVE_MAX`` and ``REGISTRY_KEEPALIVE_IDLE_S``, and the streams held."""
+
+    max_streams: int
+    idle_s: float
+    held: int = 0
+
+
+class Stream:
+    """One held stream, as ``TokenSource.hold`` knows it: ``finish`` ends it (revocation).
+    Its deadline runs while it waits on its client, never during a renewal (a renewal is not
+    cut midway; an end from outside takes effect after it)."""
+
+    revision = 0
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
+        self.loop = loop
+        self.idle_s = idle_s
+        self.deadline: asyncio.Timeout | None = None
+        self.ended: bytes | None = None  # the last answer of a stream ended from outside
+        self.renewing = 0
+
+    def finish(self, line: bytes, *, slow: bool = False) -> None:
+        problem = json.loads(line)["object"]  # the watch's ERROR line: its problem
+        self.ended = json.dumps(problem, separators=(",", ":")).encode()
+        if self.deadline is not None and not self.renewing:
+            self.deadline.reschedule(self.loop.time())  # wakes the stream's wait at once
+
+    def begin(self) -> None:
+        self.renewing += 1
+        if self.deadline is not None:
+            self.deadline.reschedule(None)
+
+    def end(self) -> None:
+        self.renewing -= 1
+        if self.deadline is not None and not self.renewing:
+            now = self.loop.time()
+            self.deadline.reschedule(now if self.ended is not None else now + self.idle_s)
+
+
+class WireRenewer:
+    """The renewals the connection's protocol reads itself (``app.server.bypass.keepalive``)."""
+
+    def __init__(self, scope: Scope, registry: Registry, stream: Stream) -> None:
+        self.scope = scope
+        self.registry = registry
+        self.stream = stream
+
+    async def renew(self, data: bytes, arrived: float) -> bytes | None:
+        stream = self.stream
+        if stream.ended is not None:
+            return None
+        stream.begin()
+        try:
+            answer = await renewal_answer(self.scope, self.registry, data, arrived)
+        finally:
+            stream.end()
+        return None if stream.ended is not None else answer
+
+
+class KeepAlive:
+    """The route's ASGI app (a WebSocket route of the app's router)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope["app"].state
+        limits: KeepAliveLimits = state.keepalive
+        if limits.max_streams == 0:
+            off = NotFound(
+                "Keep-alive streams are off on this registry (REGISTRY_KEEPALIVE_MAX=0): renew "
+                "with POST /tp-groups/{group_id}/engine/agents/heartbeat."
+            )
+            await send_refusal(send, off, scope, [])
+            return
+        if limits.held >= limits.max_streams:
+            full = Overloaded(
+                f"This replica holds {limits.held} keep-alive streams "
+                "(REGISTRY_KEEPALIVE_MAX): renew with the REST heartbeat, or retry the stream "
+                "after Retry-After seconds."
+            )
+            await send_refusal(send, full, scope, [(b"retry-after", b"30")])
+            return
+        if (await receive())["type"] != "websocket.connect":
+            return
+        limits.held += 1
+        try:
+            await send({"type": "websocket.accept"})
+            await self.serve(scope, receive, send, limits.idle_s, state)
+        finally:
+            limits.held -= 1
+
+    async def serve(
+        self, scope: Scope, receive: Receive, send: Send, idle_s: float, state: Any
+    ) -> None:
+        registry: Registry = state.registry
+        loop = asyncio.get_running_loop()
+        stream = Stream(loop, idle_s)
+        state.tokens.hold(stream, scope.get("state", {}).get(CREDENTIAL))
+        try:
+            async with asyncio.timeout_at(loop.time() + idle_s) as deadline:
+                stream.deadline = deadline
+                wire = scope.get("extensions", {}).get(EXTENSION)
+                if wire is not None:  # the protocol reads renewals itself from now on
+                    wire["renewer"] = WireRenewer(scope, registry, stream)
+                while True:
+                    message = await receive()
+                    if message["type"] != "websocket.receive":
+                        return  # websocket.disconnect: the client went away
+                    arrived = time.time()
+                    stream.begin()
+                    try:
+                        data = message.get("text") or message.get("bytes")
+                        answer = await renewal_answer(scope, registry, data, arrived)
+                    finally:
+                        stream.end()
+                    if stream.ended is not None:
+                        break
+                    await send({"type": "websocket.send", "text": answer.decode()})
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            if stream.ended is None:
+                reason = f"no renewal for {idle_s:g} s (REGISTRY_KEEPALIVE_IDLE_S)"
+                await send({"type": "websocket.close", "code": 1000, "reason": reason})
+                return
+        except OSError:
+            return  # the client is gone (uvicorn's ClientDisconnected)
+        assert stream.ended is not None
+        try:
+            await send({"type": "websocket.send", "text": stream.ended.decode()})
+            await send({"type": "websocket.close", "code": 1008, "reason": "token revoked"})
+        except OSError:
+            return
+
+
+route = WebSocketRoute(PATH, KeepAlive(), name="keepalive")
