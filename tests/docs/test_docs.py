@@ -437,3 +437,22 @@ def test_api_reference_has_a_row_for_every_error_code_with_its_status() -> None:
     for code in sorted(rows.keys() - codes.keys() - http_codes):
         problems.append(f"`{code}` is in the error table but no code answers it")
     assert not problems, f"{rel(API_MD)} error table vs the code:\n" + "\n".join(problems)
+
+
+# Reference, not a diary: the README is the two commands, what and why, a curl session and
+# where to read on; docs/ and bench/*.md hold the reference and the current figures (history
+# lives in git).
+README_BYTES = 6_500
+DOCS_BYTES = 175_000
+
+
+def test_the_readme_and_the_docs_stay_within_their_size() -> None:
+    readme = (ROOT / "README.md").stat().st_size
+    assert readme <= README_BYTES, f"README.md is {readme:,} bytes (at most {README_BYTES:,})"
+    pages = sorted([*(ROOT / "docs").glob("*.md"), *(ROOT / "bench").glob("*.md")])
+    sizes = {rel(p): p.stat().st_size for p in pages}
+    total = sum(sizes.values())
+    biggest = ", ".join(f"{k} {v:,}" for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:4])
+    assert total <= DOCS_BYTES, (
+        f"docs/ + bench/*.md: {total:,} bytes (at most {DOCS_BYTES:,}): {biggest}"
+    )
