@@ -558,7 +558,8 @@ def test_dockerfile_needs_no_frontend_image_and_builds_no_vllm() -> None:
 
 
 def test_the_extras_the_image_installs_bring_what_the_code_imports() -> None:
-    """An image built with EXTRAS=workers,etcd must run workers and the etcd store."""
+    """An image built with EXTRAS=workers,etcd,router-sync must run workers, the etcd store
+    and router-sync."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
@@ -568,26 +569,38 @@ def test_the_extras_the_image_installs_bring_what_the_code_imports() -> None:
 
     assert {"torch", "nixl"} <= names(extras["workers"])
     base = names(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
-    imported: set[str] = set()
-    for module in sorted((ROOT / "app" / "store").glob("etcd*.py")):
-        for node in ast.walk(ast.parse(module.read_text())):
-            if isinstance(node, ast.Import):
-                imported |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                imported.add(node.module.split(".")[0])
-    third_party = imported - set(sys.stdlib_module_names) - {"app", "__future__"}
-    assert "aetcd" in third_party, "the etcd store no longer imports aetcd: update this test"
+    first_party = {"app", "registry_client", "workers", "__future__"}
+
+    def third_party(package: Path) -> set[str]:
+        imported: set[str] = set()
+        for module in sorted(package.glob("*.py")):
+            for node in ast.walk(ast.parse(module.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+        return imported - set(sys.stdlib_module_names) - first_party
+
     # Import names to distribution names (grpc is installed by grpcio).
     dists = importlib.metadata.packages_distributions()
-    installed = names(extras["etcd"]) | base
-    missing = {
-        m
-        for m in third_party
-        if not ({m.lower()} | {d.lower() for d in dists.get(m, [])}) & installed
-    }
-    assert not missing, (
-        f"the etcd store imports {sorted(missing)}: the `etcd` extra must install them, or "
-        "the image's registry cannot use an etcd:// store"
+
+    def missing(imports: set[str], installed: set[str]) -> set[str]:
+        return {
+            m
+            for m in imports
+            if not ({m.lower()} | {d.lower() for d in dists.get(m, [])}) & installed
+        }
+
+    etcd = third_party(ROOT / "app" / "store" / "etcd")
+    assert "aetcd" in etcd, "the etcd store no longer imports aetcd: update this test"
+    assert not missing(etcd, names(extras["etcd"]) | base), (
+        f"the etcd store imports {sorted(missing(etcd, names(extras['etcd']) | base))}: the "
+        "`etcd` extra must install them, or the image's registry cannot use an etcd:// store"
+    )
+    router_sync = third_party(ROOT / "registry_client" / "router_sync")
+    assert {"zmq", "msgpack"} <= router_sync, "router-sync no longer uses ZMQ: update this test"
+    assert not missing(router_sync, names(extras["router-sync"]) | base), (
+        "router-sync imports what the `router-sync` extra does not install"
     )
 
 
