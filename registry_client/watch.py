@@ -21,7 +21,7 @@ Policy, in one place:
   not in the same second. A line heard resets it.
 - ``role`` and ``model`` (the engine's ``compat["model"]``) filter on the server: a group
   that enters the filter comes as ``ADDED``, one that leaves it as ``DELETED``.
-- A replica that answers the watch again after failures is logged once (INFO, logger
+- A replica that answers the watch again after failures is logged (INFO, logger
   ``registry_client.watch``): where, from which revision, after how many tries and how long
   unheard, so a consumer's log says when it was blind.
 - A refusal that retrying cannot fix (401, 403, 422) raises its `ProblemError` at once.
