@@ -29,7 +29,7 @@ from fastapi import FastAPI
 
 from app.security.tls import server_context, tls_loop_factory
 from app.server.bypass import wanted
-from app.server.bypass.keepalive import FAST_MAX, KeepAliveWire
+from app.server.bypass.keepalive import FAST_MAX
 from app.server.protocol import guarded_protocol
 from app.server.settings import Settings, is_loopback_host
 from app.server.shedding import install
@@ -71,6 +71,12 @@ class RegistryServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _keepalive_wire() -> type:
+    from app.server.bypass.keepalive_wire import KeepAliveWire
+
+    return KeepAliveWire
+
+
 def uvicorn_options(settings: Settings, *, bypass: bool | None = None) -> dict[str, Any]:
     """The server's settings, shared with the benchmarks' ceiling servers; ``bypass``: whether
     the request bypass runs (default: ``REGISTRY_FAST_PATH``, where this uvicorn allows it)."""
@@ -92,7 +98,7 @@ def uvicorn_options(settings: Settings, *, bypass: bool | None = None) -> dict[s
             bypass=bypass,
         ),
         # Keep-alive streams: renewals read in the connection's protocol with the bypass on.
-        "ws": KeepAliveWire if bypass else "auto",
+        "ws": _keepalive_wire() if bypass else "auto",
         "ws_max_size": FAST_MAX,
         "loop": "uvloop",
         "log_config": None,

@@ -1,9 +1,10 @@
 """The request bypass: the hot routes answered without FastAPI's (or uvicorn's) per-request
 machinery, same contract (`fastpath`: an ASGI middleware; `hot` and `wire`: in front of every
-ASGI layer and in the connection's protocol). ``REGISTRY_FAST_PATH=false`` switches all of it
-off at once. `hot` and `wire` use internals of uvicorn (pyproject.toml pins the minor release
-they were written and tested for); where one is missing they stay off, with one log line, and
-the full stack answers (`unavailable`)."""
+ASGI layer and in the connection's protocol; `keepalive_wire`: keep-alive renewals read in the
+WebSocket connection's protocol). ``REGISTRY_FAST_PATH=false`` switches all of it off at once.
+`hot`, `wire` and `keepalive_wire` use internals of uvicorn (pyproject.toml pins the minor
+release they were written and tested for); where one is missing they stay off, with one log
+line, and the full stack answers (`unavailable`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ INTERNALS = (
     ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol._start_asgi_task"),
     ("uvicorn.protocols.http.httptools_impl", "HttpToolsProtocol.on_headers_complete"),
     ("uvicorn._types", "ASGI3Application"),
+    ("uvicorn.protocols.websockets.websockets_sansio_impl", "WebSocketsSansIOProtocol"),
+    (
+        "uvicorn.protocols.websockets.websockets_sansio_impl",
+        "WebSocketsSansIOProtocol.data_received",
+    ),
+    (
+        "uvicorn.protocols.websockets.websockets_sansio_impl",
+        "WebSocketsSansIOProtocol.handle_connect",
+    ),
+    ("websockets.speedups", "apply_mask"),
 )
 
 
