@@ -38,6 +38,11 @@ def waited(
     return time.monotonic() - t0
 
 
+def wait_for(check: Callable[[], bool], within_s: float, what: str) -> float:
+    """`waited` without logs (the other router-sync tests import it)."""
+    return waited(check, within_s, what)
+
+
 class Fleet:
     """Groups in the registry, each with one rank, published at a stand-in's URL."""
 
