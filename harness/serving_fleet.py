@@ -3,7 +3,7 @@ TP 1, its one rank registered under a long lease, and where it serves published 
 behind the URL: routers fed by router-sync only learn the addresses). Half prefill, half
 decode, all of one model and compat, so router-sync offers every one of them.
 
-Used by tests/app/api/test_router_sync_fleet.py and ``python -m bench.router_round``."""
+Used by the router-sync tests and ``python -m bench.router_round``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,24 @@ import asyncio
 import base64
 import time
 import uuid
+from typing import Any
 
 import httpx
 
 COMPAT = {"model": "tiny", "block_size": 16, "dtype": "bfloat16"}
+
+
+def one_rank_agent(engine_id: str, name: str, ttl_s: int) -> dict[str, Any]:
+    """The registration body of a TP 1 group's rank 0: a tiny DRAM KV layout on loopback."""
+    kv = {"mem_type": "DRAM", "device_id": 0, "base_addrs": [4096], "num_blocks": 8}
+    return {
+        "engine_id": engine_id,
+        "agent_name": name,
+        "host": "127.0.0.1",
+        "agent_metadata": base64.b64encode(b"md").decode(),
+        "ttl_s": ttl_s,
+        "kv": kv | {"block_len": 64},
+    }
 
 
 def address(i: int) -> str:
@@ -29,20 +43,7 @@ async def _one(http: httpx.AsyncClient, i: int, ttl_s: int) -> None:
     opened = await http.put(f"/tp-groups/{gid}/engine", json=body)
     opened.raise_for_status()
     engine_id = opened.json()["engine_id"]
-    agent = {
-        "engine_id": engine_id,
-        "agent_name": f"{gid}-0",
-        "host": "127.0.0.1",
-        "agent_metadata": base64.b64encode(b"md").decode(),
-        "ttl_s": ttl_s,
-        "kv": {
-            "mem_type": "DRAM",
-            "device_id": 0,
-            "base_addrs": [4096],
-            "num_blocks": 8,
-            "block_len": 64,
-        },
-    }
+    agent = one_rank_agent(engine_id, f"{gid}-0", ttl_s)
     (await http.put(f"/tp-groups/{gid}/engine/agents/0", json=agent)).raise_for_status()
     serving = {"engine_id": engine_id, "url": f"http://{address(i)}", "model": "tiny"}
     (await http.put(f"/tp-groups/{gid}/engine/serving", json=serving)).raise_for_status()

@@ -5,7 +5,6 @@ does in PD); real vLLM instances behind the same router run in the vLLM tier."""
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from harness.server import RegistryProcess
+from harness.serving_fleet import one_rank_agent
 from tests.app.conftest import READER, WORKER, tokens_file
 from tests.support.pd_stand_in import StandIn, StandIns
 from workers.tools.procs import log_tail
@@ -77,20 +77,7 @@ class Fleet:
         return 0.0
 
     def register(self, gid: str, engine_id: str, ttl_s: int) -> None:
-        agent = {
-            "engine_id": engine_id,
-            "agent_name": f"{engine_id}-0",
-            "host": "127.0.0.1",
-            "agent_metadata": base64.b64encode(b"md").decode(),
-            "ttl_s": ttl_s,
-            "kv": {
-                "mem_type": "DRAM",
-                "device_id": 0,
-                "base_addrs": [4096],
-                "num_blocks": 8,
-                "block_len": 64,
-            },
-        }
+        agent = one_rank_agent(engine_id, f"{engine_id}-0", ttl_s)
         answer = self.http.put(f"/tp-groups/{gid}/engine/agents/0", json=agent)
         assert answer.status_code in (200, 201), answer.text
 

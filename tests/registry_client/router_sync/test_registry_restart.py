@@ -12,7 +12,6 @@ decode is rightly never offered: it was gone before router-sync heard of it."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 from harness.server import RegistryProcess
+from harness.serving_fleet import one_rank_agent
 from registry_client.backoff import Backoff
 from registry_client.client import RegistryClient
 from registry_client.router_sync.offers import Groups, offer
@@ -83,20 +83,7 @@ def launch(http: httpx.Client, gid: str, role: str, ttl_s: int = 600) -> str:
     """Open a generation, register its rank 0, publish it: its engine id."""
     body = {"launch_id": uuid.uuid4().hex, "tp_size": 1, "role": role, "compat": COMPAT}
     engine_id = str(http.put(f"/tp-groups/{gid}/engine", json=body).json()["engine_id"])
-    agent = {
-        "engine_id": engine_id,
-        "agent_name": f"{engine_id}-0",
-        "host": "127.0.0.1",
-        "agent_metadata": base64.b64encode(b"md").decode(),
-        "ttl_s": ttl_s,
-        "kv": {
-            "mem_type": "DRAM",
-            "device_id": 0,
-            "base_addrs": [4096],
-            "num_blocks": 8,
-            "block_len": 64,
-        },
-    }
+    agent = one_rank_agent(engine_id, f"{engine_id}-0", ttl_s)
     assert http.put(f"/tp-groups/{gid}/engine/agents/0", json=agent).status_code == 201
     url = f"http://127.0.0.1:{40000 + len(gid)}"
     serving = {"engine_id": engine_id, "url": url, "model": "tiny"}
