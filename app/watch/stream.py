@@ -6,41 +6,34 @@ bounded by the log (a watcher it drops is told ``revision_compacted``) and by it
 the bytes that arrived since it subscribed and are not written (past it: ``slow_consumer``).
 A consumer that stops reading stalls its writes in the transport; the hub notices its lag,
 gives it a second, then cuts the connection. Streams end with a final ``ERROR`` line:
-``slow_consumer``, ``revision_compacted`` or ``shutting_down`` (SIGTERM).
+``slow_consumer``, ``revision_compacted`` or ``shutting_down`` (SIGTERM: first, within
+``DRAIN_S``, the feed catches up with the store and each stream whose connection takes it
+sends what the log holds for it, so its watcher resumes from the store's revision).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from app.core.errors import RevisionCompacted, TooManyWatchers
 from app.core.metrics import Metrics
 from app.core.problems import error_line
 from app.watch.feed import Feed
-from app.watch.history import ANY, Selector
+from app.watch.history import Selector
 from app.watch.pages import refuse_ahead
+from app.watch.sender import LINGER_S, TRANSPORT, WatchStream
 
-MEDIA_TYPE = "application/x-ndjson"
-CHUNK_BYTES = 256 * 1024
-GRACE_S = 1.0  # a cut-off consumer's time to read what is on its way
-# After a write, changes gather this long before the next one: a storm's go out as one write
-# per stream per LINGER_S, not one per change (which cost the storm a quarter of its rate at
-# 100 watchers); a lone change goes out at once.
-LINGER_S = 0.05
-SHARED_EVENTS = 256  # a caught-up watcher's next events come from the hub's shared chunk
-DIRECT_BUFFER = 64 * 1024  # a connection holding more unsent bytes sends on its own
-# scope["extensions"]: the connection's asyncio transport (app/server/serve.py puts it there)
-TRANSPORT = "engine_registry.transport"
-# A watch connection's kernel send buffer (Linux doubles it), not the few MB it may grow to.
-SNDBUF = 64 * 1024
+# TRANSPORT: app/server/protocol.py imports it from here
+__all__ = ["TRANSPORT", "WatchStream", "Watchers"]
+
 # A watch admitted (counted against REGISTRY_WATCH_MAX) whose response the server never started
 # (the request failed after the route) stops counting after this long.
 UNSENT_S = 30.0
+# SIGTERM: how long the streams may still send what the log holds (the feed's catch-up with
+# the store included) before each ends with ``shutting_down``; a restarted SQLite registry
+# keeps history from the file's revision, and a watcher short of it would list again.
+DRAIN_S = 1.0
 
 
 class Watchers:
@@ -68,6 +61,7 @@ class Watchers:
         self._chunks_end = -1
         self._monitor: asyncio.Task[None] | None = None
         self._broadcaster: asyncio.Task[None] | None = None
+        self._drainer: asyncio.Task[None] | None = None
 
     async def watch(self, after: int | None, selector: Selector, timeout_s: float) -> WatchStream:
         """A stream of the changes after revision ``after`` (None: from now) that pass
@@ -81,7 +75,7 @@ class Watchers:
                 "another replica, or retry later."
             )
         stream = WatchStream(self, selector)
-        self._added(stream)
+        self.added(stream)
         try:
             await self.feed.ready(timeout_s)
             if after is not None and after > self.feed.progress:
@@ -97,7 +91,7 @@ class Watchers:
                     oldest_revision=log.oldest,
                 )
         except BaseException:
-            self._removed(stream)
+            self.removed(stream)
             raise
         stream.start_at(after)
         return stream
@@ -126,28 +120,43 @@ class Watchers:
         return hit
 
     def drain(self) -> None:
-        """SIGTERM: every stream ends now with ``shutting_down``."""
+        """SIGTERM: no new streams; the open ones send what the log holds for them, then end
+        with ``shutting_down`` (all within ``DRAIN_S``)."""
+        if self.draining:
+            return
         self.draining = True
+        try:
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+        except RuntimeError:  # no loop running: nothing can be sent
+            self._end_all()
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_S
+        # Changes answered before the signal that the feed has not applied yet (bounded: a
+        # store that does not answer leaves the streams the rest of the time).
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.feed.caught_up(DRAIN_S / 2), DRAIN_S / 2)
         for stream in list(self.open):
-            stream.finish(
-                error_line(
-                    stream.revision,
-                    "shutting_down",
-                    503,
-                    "This replica is shutting down: watch another one from this revision.",
-                )
-            )
+            stream.drain(deadline)
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        self._end_all()
+
+    def _end_all(self) -> None:
+        for stream in list(self.open):
+            stream.finish(stream.shutting_down_line())
 
     async def close(self) -> None:
         """At the end of the lifespan (every stream has ended): stop the hub's tasks."""
-        self.drain()
-        for task in (self._monitor, self._broadcaster):
+        self.draining = True
+        self._end_all()
+        for task in (self._drainer, self._monitor, self._broadcaster):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
 
-    def _added(self, stream: WatchStream) -> None:
+    def added(self, stream: WatchStream) -> None:
         self.open.add(stream)
         self.metrics.watchers.set(len(self.open))
         if self._monitor is None or self._monitor.done():
@@ -182,7 +191,7 @@ class Watchers:
             if sent:
                 self.metrics.watch_events_sent.inc(sent)
 
-    def _removed(self, stream: WatchStream) -> None:
+    def removed(self, stream: WatchStream) -> None:
         self.open.discard(stream)
         self.metrics.watchers.set(len(self.open))
 
@@ -195,7 +204,7 @@ class Watchers:
             for stream in list(self.open):
                 if not stream.called:  # admitted, never sent: its request went away
                     if now - stream.admitted_at > UNSENT_S:
-                        self._removed(stream)
+                        self.removed(stream)
                     continue
                 if stream.ended:
                     continue
@@ -215,203 +224,3 @@ class Watchers:
                         ),
                         slow=True,
                     )
-
-
-class WatchStream(Response):
-    media_type = MEDIA_TYPE
-
-    def __init__(self, hub: Watchers, selector: Selector = ANY) -> None:
-        super().__init__(
-            None,
-            headers={
-                "cache-control": "no-store",
-                "x-content-type-options": "nosniff",
-                "transfer-encoding": "chunked",
-            },
-            media_type=MEDIA_TYPE,
-        )
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
-        self.hub = hub
-        self.selector = selector
-        self.admitted_at = asyncio.get_running_loop().time()
-        self.called = False  # the server started sending it
-        self.start_at(hub.feed.progress)
-        self.final: bytes | None = None
-        self._cut: asyncio.Future[None] | None = None
-        self.ended = False
-        self._woken: asyncio.Future[None] | None = None
-        self.transport: asyncio.Transport | None = None
-        self.live = False  # caught up and idle: the hub writes its lines directly
-        self.last_write = 0.0
-
-    def start_at(self, after: int) -> None:
-        """Send the changes after revision ``after`` (the feed's, or a later one it skips to)."""
-        feed = self.hub.feed
-        self.epoch = feed.epoch
-        self.revision = after  # every change up to here was sent (or skipped)
-        self.position = feed.log.after(min(after, feed.progress))
-        self._skip_until = after
-        self.base = feed.log.end  # what came before it subscribed is not on its budget
-
-    def compacted_line(self) -> bytes:
-        log = self.hub.feed.log
-        return error_line(
-            self.revision,
-            "revision_compacted",
-            410,
-            f"This stream fell out of the history this replica keeps (from revision "
-            f"{log.oldest}): list the groups again and watch from the list's revision.",
-            oldest_revision=log.oldest,
-        )
-
-    def finish(self, line: bytes, *, slow: bool = False) -> None:
-        """End the stream with ``line``."""
-        if self.ended:
-            return
-        self.ended = True
-        self.final = line
-        if slow:
-            self.hub.metrics.watch_slow_consumers.inc()
-        if self._cut is not None and not self._cut.done():
-            self._cut.set_result(None)
-        if self._woken is not None and not self._woken.done():
-            self._woken.set_result(None)
-
-    def wake(self) -> None:
-        if self._woken is not None and not self._woken.done():
-            self._woken.set_result(None)
-
-    def direct(self, now: float) -> int | None:
-        """The hub's fast path: the new lines written straight to the connection; how many
-        (None: this stream must send on its own: behind, filtered from a later revision, or
-        its connection's buffer is full)."""
-        feed, log, transport = self.hub.feed, self.hub.feed.log, self.transport
-        if transport is None or transport.is_closing():
-            return None
-        if transport.get_write_buffer_size() > DIRECT_BUFFER:
-            return None
-        if self.epoch != feed.epoch or self.position < log.offset:
-            return None
-        first = log.at(self.position)
-        if first is None:
-            self.revision = max(self.revision, feed.progress)
-            return 0
-        if first.revision <= self._skip_until or log.end - self.position > SHARED_EVENTS:
-            return None
-        _, framed, count, last = self.hub.chunk(self.position, self.selector)
-        self.position = log.end
-        self.revision = max(self.revision, last, feed.progress)
-        if framed:
-            transport.write(framed)
-            self.last_write = now
-        return count
-
-    def _collect(self) -> tuple[bytes, int]:
-        """The unsent events (whole revisions, up to about ``CHUNK_BYTES``)."""
-        feed, log = self.hub.feed, self.hub.feed.log
-        first = log.at(self.position)
-        if (
-            first is not None
-            and first.revision > self._skip_until
-            and log.end - self.position <= SHARED_EVENTS
-        ):
-            data, _, count, last = self.hub.chunk(self.position, self.selector)
-            self.position = log.end
-            self.revision = max(self.revision, last, feed.progress)
-            return data, count
-        parts: list[bytes] = []
-        size = sent = 0
-        while (event := log.at(self.position)) is not None:
-            if size >= CHUNK_BYTES and event.revision != self.revision:
-                return b"".join(parts), sent
-            self.position += 1
-            if event.revision <= self._skip_until:
-                continue  # asked from a revision this replica had not reached yet
-            self.revision = max(self.revision, event.revision)
-            if (line := event.line_for(self.selector)) is not None:
-                parts.append(line)
-                size += len(line)
-                sent += 1
-        self.revision = max(self.revision, feed.progress)
-        return b"".join(parts), sent
-
-    async def _pump(self, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        feed, metrics = self.hub.feed, self.hub.metrics
-        self.last_write = loop.time()
-        while True:
-            if self.final is not None:
-                await send({"type": "http.response.body", "body": self.final, "more_body": False})
-                return
-            if self.epoch != feed.epoch or self.position < feed.log.offset:
-                self.finish(self.compacted_line())
-                continue
-            chunk, count = self._collect()
-            now = loop.time()
-            if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                metrics.watch_events_sent.inc(count)
-                self.last_write = now
-                if len(chunk) < CHUNK_BYTES:  # caught up: let the next changes gather
-                    await asyncio.sleep(LINGER_S)
-                continue
-            if now - self.last_write >= self.hub.bookmark_s:
-                line = b'{"type":"BOOKMARK","revision":%d,"object":null}\n' % self.revision
-                await send({"type": "http.response.body", "body": line, "more_body": True})
-                self.last_write = now
-                continue
-            # Caught up: the hub writes what comes next (or wakes this stream to send it).
-            self._woken = loop.create_future()
-            waits: set[asyncio.Future[None]] = {self._woken}
-            if self.transport is None:  # no direct path on this server: follow the feed
-                waits.add(feed.news())
-            self.live = True
-            try:
-                await asyncio.wait(
-                    waits,
-                    timeout=self.hub.bookmark_s - (now - self.last_write),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                self.live = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.called = True
-        self.hub._added(self)
-        transport: asyncio.Transport | None = scope.get("extensions", {}).get(TRANSPORT)
-        if transport is not None and (sock := transport.get_extra_info("socket")) is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SNDBUF)
-        self.transport = transport
-        pump: asyncio.Task[None] | None = None
-        gone: asyncio.Task[None] | None = None
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            pump = asyncio.create_task(self._pump(send))
-            gone = asyncio.create_task(_disconnected(receive))
-            self._cut = asyncio.get_running_loop().create_future()
-            if self.ended:
-                self._cut.set_result(None)
-            await asyncio.wait({pump, gone, self._cut}, return_when=asyncio.FIRST_COMPLETED)
-            if pump.done():
-                pump.result()
-                return
-            # Ended (cut off, shutting down) or the consumer left: a second to take what is
-            # on its way, then the connection is cut.
-            if not gone.done():
-                await asyncio.wait({pump, gone}, timeout=GRACE_S)
-            if not pump.done() and transport is not None:
-                transport.abort()
-        finally:
-            self.ended = True
-            self.hub._removed(self)
-            for task in (pump, gone):
-                if task is not None and not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
