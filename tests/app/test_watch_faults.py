@@ -260,7 +260,7 @@ def test_a_consumer_that_stops_reading_is_cut_off_and_memory_stays_flat(
     heavy_churn(bounded.url, 30)  # as much again after the cut
     assert rss_kib(bounded.pid) - cut < 16 * 1024, "the server kept what it could not send"
     assert cut - warm < 16 * 1024, "the server kept what the consumer did not read"
-    # Cut off after a grace of a second (app/watch/stream.py GRACE_S): then it is gone.
+    # Cut off after a grace of a second (app/watch/sender.py GRACE_S): then it is gone.
     deadline = time.monotonic() + 10
     while metric(bounded.url, "registry_watchers") != 0:
         assert time.monotonic() < deadline, "the cut-off watcher is still counted"
