@@ -126,5 +126,13 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.keepalive_renewals = Counter(
+            "registry_keepalive_renewals",
+            "Renewals answered over keep-alive streams (GET /keepalive), by outcome: renewed, "
+            "or the problem code.",
+            ["outcome"],
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -79,10 +79,13 @@ async def renewal_answer(scope: Scope, registry: Registry, data: Any, arrived: f
             renewed = await registry.renew_agents(gid, body.engine_id, body.ranks)
         finally:
             IN_FLIGHT.end(token)
+        registry.metrics.keepalive_renewals.labels("renewed").inc()
         return heartbeats_json(renewed)
     except (RegistryError, Unavailable) as exc:
+        problem = at_edge(exc)
+        registry.metrics.keepalive_renewals.labels(problem.code).inc()
         where = {"path": f"/tp-groups/{gid}/engine/agents/heartbeat", "app": scope.get("app")}
-        return problem_answer(at_edge(exc), where)[2]
+        return problem_answer(problem, where)[2]
 
 
 class Renewer(Protocol):
