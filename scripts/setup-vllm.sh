@@ -44,13 +44,17 @@ export PIP_NO_WARN_SCRIPT_LOCATION=1
 # service dependencies (the launcher runs the registry, router-sync and vllm-router from this
 # environment too).
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
-# The service's dependencies are read from pyproject.toml (a list kept here once drifted: a
-# new dependency of the service was missing and the registry could not start here).
+# The service's dependencies, router-sync's extra and the workers' extra but torch and nixl
+# (pinned above) are read from pyproject.toml (a list kept here once drifted: a new dependency
+# was missing and the registry, or the plugin, could not start here).
 mapfile -t SERVICE_DEPS < <("$VENV/bin/python" - "$ROOT/pyproject.toml" <<'PY'
 import sys, tomllib
 
 with open(sys.argv[1], "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+    project = tomllib.load(f)["project"]
+extras = project["optional-dependencies"]
+workers = [r for r in extras["workers"] if not r.startswith(("torch", "nixl"))]
+print("\n".join([*project["dependencies"], *extras["router-sync"], *workers]))
 PY
 )
 "${PIP[@]}" install -q "${SERVICE_DEPS[@]}" "pytest>=8" "pytest-timeout>=2.3" "vllm-router==0.1.17" \
