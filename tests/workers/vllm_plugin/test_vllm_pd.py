@@ -29,7 +29,7 @@ from tests.workers.vllm_plugin.decode_checks import (
     metric,
 )
 from tests.workers.vllm_plugin.pd_shared import NOFIX, START_S, Shared
-from tests.workers.vllm_plugin.registry_requests import report_and_check
+from tests.workers.vllm_plugin.registry_requests import keepalive_renewals, report_and_check
 from tests.workers.vllm_plugin.routing import serving, stale_request_fails_at_once
 from workers.tools.vllm_launch import Instance, Registry, free_port
 from workers.tools.vllm_pd import complete, nixl_transfers, pd_complete
@@ -337,7 +337,9 @@ def test_relaunched_prefill_gets_a_new_generation(shared: Shared) -> None:
         routing.said(f"withdraw prefill prefill-0 (generation {old.generation}", 5)
         # Each node's registry requests, from its launch to the kill (prefill) or to now.
         until = {"prefill-0": killed, "decode-0": time.time()}
-        report_and_check(shared.registry.log_path, shared.launches, until, REQUESTS)
+        streamed = keepalive_renewals(shared.registry.url)
+        REQUESTS["keep-alive renewals, every node"] = str(streamed)
+        report_and_check(shared.registry.log_path, shared.launches, until, REQUESTS, streamed)
         # A decode that stops leaves the router once the registry no longer has it ready.
         decode_port = shared.decode.port
         shared.decode.stop()
