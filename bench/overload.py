@@ -1,6 +1,6 @@
-"""``python -m bench.overload [--quick] [--ranks N] [--surge-s S] [--times X]``: a fleet on one
-SQLite registry past its capacity: the steady state, a surge of reads beside it, the way
-back, and a restart (``docs/operations.md``, "Overload").
+"""``python -m bench.overload [--quick] [--ranks N] [--surge-s S] [--times X]
+[--seats-baseline]``: a fleet on one SQLite registry past its capacity: the steady state, a
+surge of reads beside it, the way back, and a restart (``docs/operations.md``, "Overload").
 
 1. **Launch and steady state**: ``bench/fleet_load.py``'s fleet (TP 8 groups, a node
    heartbeat every 10 s under a 30 s lease, 20 handshakes a second): ready time, the
@@ -56,6 +56,7 @@ FLOOD_IN_FLIGHT = 64
 FLOOD_NICE = 19
 PROBES = 4
 BUDGET_S = 1.0  # a heartbeat's answer under overload, at most (its interval is 10 s)
+SEATS_OFF = {"REGISTRY_SHED_IN_FLIGHT": "64", "REGISTRY_SHED_QUEUE_S": "0"}
 BACK_MARGIN = 1.5  # "back to steady": CPU share within 1.5x the steady one (+ 2% of a core)
 
 
@@ -227,12 +228,15 @@ def _restart(reg: RegistryProcess, fleet: Fleet, seen: list[tuple[float, str, in
     }
 
 
-def measure(ranks: int, surge_s: float, times: float, quick: bool) -> dict[str, Any]:
+def measure(
+    ranks: int, surge_s: float, times: float, quick: bool, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
     warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
     with tempfile.TemporaryDirectory(prefix="bench-overload-") as name:
         db = Path(name) / "overload.db"
-        reg = RegistryProcess(f"sqlite:///{db}", host=HOST, log_path=Path(name) / "reg.log")
+        log = Path(name) / "reg.log"
+        reg = RegistryProcess(f"sqlite:///{db}", host=HOST, env=env, log_path=log)
         reg.start(timeout_s=60)
         marks: list[float] = []
         phases: dict[str, Any] = {}
@@ -272,6 +276,7 @@ def measure(ranks: int, surge_s: float, times: float, quick: bool) -> dict[str, 
     return {
         "ranks": ranks,
         "store": "sqlite",
+        "settings": env or "defaults",
         "launch": out["launch"],
         "steady": hold,
         **phases,
@@ -295,10 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, default=None)
     parser.add_argument("--surge-s", type=float, default=None)
     parser.add_argument("--times", type=float, default=3.0, help="cores of reads offered")
+    parser.add_argument(
+        "--seats-baseline",
+        action="store_true",
+        help="first the same run with the seats off (REGISTRY_SHED_IN_FLIGHT=64, "
+        "REGISTRY_SHED_QUEUE_S=0: shed past 64 reads at once, as before the seats), then with "
+        "the defaults",
+    )
     args = parser.parse_args(argv)
     ranks = args.ranks or (2000 if args.quick else 100_000)
     surge = args.surge_s or (10.0 if args.quick else 300.0)
-    print(json.dumps(measure(ranks, surge, args.times, args.quick), indent=1))
+    runs = [SEATS_OFF, None] if args.seats_baseline else [None]
+    out = [measure(ranks, surge, args.times, args.quick, env) for env in runs]
+    print(json.dumps(out if len(out) > 1 else out[0], indent=1))
     return 0
 
 

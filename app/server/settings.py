@@ -112,7 +112,17 @@ class Settings(BaseSettings):
         "never on lag).",
     )
     shed_in_flight: int = Field(
-        64, ge=0, description="Shed the sheddable routes past this many being answered (0: no cap)."
+        2,
+        ge=0,
+        description="The sheddable routes' GETs answered at once; more wait for a seat (0: no "
+        "cap).",
+    )
+    shed_queue_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="How long a sheddable GET waits for a seat before it is shed (0: shed at "
+        "once).",
     )
     shed_retry_after_s: int = Field(
         2, ge=1, le=300, description="Retry-After of a shed request's 503 overloaded, seconds."
