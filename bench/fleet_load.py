@@ -16,6 +16,16 @@ a TP 8 group on one node, so one leader, one lease and one heartbeat stream per 
   ``handshakes_per_s``; then ``after_window`` (the reads, the restart) runs in a thread while
   the heartbeats go on.
 
+**Replicas** (``url`` a list, ``bench/replica_kill.py``): a pool of connections a replica, as a
+load balancer would spread the nodes: the n-th pair of groups (a prefill and a decode node)
+lists the replicas from the ``n % len(urls)``-th on and talks to its first. A node moves as
+``registry_client``'s transport does (``Route``): on a refused or broken connection (or a
+503/429) it tries its next replica at once, pauses by the one back-off policy
+(``registry_client.backoff``, the transport's defaults: full jitter from [0, 0.1 s] doubling to
+[0, 2 s]) only after every replica failed, gives up at the heartbeat's interval, and keeps the
+replica that answered last. Every heartbeat try is logged in ``Run.tries``. With one URL
+nothing of this runs: a refused heartbeat is answered 0 and the next beat is on schedule.
+
 Latencies are from the client's send to its answer, so they include the client's own
 scheduling delay: ``lag`` (how late each heartbeat was sent against its schedule) is reported
 beside them, and ``bench/fleet.py`` runs the same pace against a server that does no work.
@@ -29,13 +39,14 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import summary_ms
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
+from registry_client.backoff import Backoff
 
 TP = 8
 TTL_S = 30  # the library's default lease
@@ -45,6 +56,9 @@ IN_FLIGHT = 64
 # max_connections (8,192), past which it closes the idlest connection.
 CONNECTIONS = 1024
 PLANNERS = 4
+# registry_client.transport's defaults: the pause after every replica refused a call.
+CALL_BACKOFF_BASE_S = 0.1
+CALL_BACKOFF_CAP_S = 2.0
 
 
 @dataclass
@@ -98,6 +112,9 @@ class Run:
     statuses: dict[str, int] = field(default_factory=dict)
     after: dict[str, int] = field(default_factory=dict)  # answers after the window
     window: tuple[float, float] = (float("inf"), float("inf"))
+    # with several replicas, every heartbeat try: (sent, answered, group index, replica
+    # index in ``urls``, status; 0 for a refused or broken connection)
+    tries: list[tuple[float, float, int, int, int]] = field(default_factory=list)
 
     def count(self, kind: str, status: int, sent: float) -> None:
         into = self.after if sent >= self.window[1] else self.statuses
@@ -105,9 +122,56 @@ class Run:
         into[key] = into.get(key, 0) + 1
 
 
+def first_replica(index: int, replicas: int) -> int:
+    """The replica the ``index``-th group talks to first: pairs (a prefill and a decode node)
+    alternate."""
+    return (index // 2) % replicas
+
+
+class Route:
+    """A node's way to the registry: its replicas in its own order, the one that answered last
+    first (``registry_client.transport``'s rule); one replica: its pool, nothing more."""
+
+    def __init__(self, pools: Sequence[RawPool], run: Run, index: int) -> None:
+        first = first_replica(index, len(pools))
+        self.order = [(first + k) % len(pools) for k in range(len(pools))]
+        self.pools, self.run, self.index = pools, run, index
+        self.at = 0  # into ``order``
+
+    @property
+    def pool(self) -> RawPool:
+        return self.pools[self.order[self.at]]
+
+    async def send(self, request: bytes, budget_s: float) -> tuple[int, bytes]:
+        """The answer of the first replica that answers within ``budget_s``; OSError if none
+        did (a refused connection is tried on the next replica at once, the back-off after
+        every replica refused)."""
+        if len(self.pools) == 1:
+            return await self.pools[0].send(request)
+        n, attempt = len(self.order), 0
+        backoff = Backoff(base_s=CALL_BACKOFF_BASE_S, cap_s=CALL_BACKOFF_CAP_S)
+        deadline = time.perf_counter() + budget_s
+        while True:
+            k = (self.at + attempt) % n
+            replica, sent = self.order[k], time.perf_counter()
+            try:
+                status, body = await self.pools[replica].send(request)
+            except OSError:
+                status, body = 0, b""
+            self.run.tries.append((sent, time.perf_counter(), self.index, replica, status))
+            if status not in (0, 429, 503):
+                self.at = k
+                return status, body
+            attempt += 1
+            if attempt % n == 0:
+                pause = min(backoff.next(), deadline - time.perf_counter())
+                if pause <= 0:
+                    raise ConnectionError(f"no replica answered within {budget_s:.1f} s")
+                await asyncio.sleep(pause)
+
+
 async def _beat(
-    pool: RawPool,
-    run: Run,
+    route: Route,
     gid: str,
     eid: str,
     phase: float,
@@ -116,6 +180,7 @@ async def _beat(
 ) -> None:
     """Renew every ``HEARTBEAT_S``; after a 404 (the lease lapsed) register again with
     ``again()``'s body, as ``BatchPublication`` does."""
+    run = route.run
     beat = RawPool.prepare(
         "POST",
         f"/tp-groups/{gid}/engine/agents/heartbeat",
@@ -128,7 +193,7 @@ async def _beat(
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         sent = time.perf_counter()
         try:
-            status, _ = await pool.send(beat)
+            status, _ = await route.send(beat, HEARTBEAT_S)
         except OSError:
             status = 0  # the registry unreachable (its restart): the next beat tries again
         done = time.perf_counter()
@@ -137,7 +202,8 @@ async def _beat(
             run.lags.append(sent - due)
         run.count("heartbeat", status, sent)
         if status == 404 and again is not None:
-            status, _ = await _put(pool, f"/tp-groups/{gid}/engine/agents", again(), run)
+            path = f"/tp-groups/{gid}/engine/agents"
+            status, _ = await _put(route.pool, path, again(), run)
             run.count("re-register", status, sent)
         due += HEARTBEAT_S
 
@@ -156,9 +222,8 @@ async def _put(pool: RawPool, path: str, body: dict[str, Any], run: Run) -> tupl
 
 
 async def _group(
-    pool: RawPool,
+    route: Route,
     fleet: Fleet,
-    run: Run,
     index: int,
     gid: str,
     gate: asyncio.Semaphore,
@@ -166,6 +231,7 @@ async def _group(
     beats: list[asyncio.Task[None]],
 ) -> None:
     role = "prefill" if gid.startswith("prefill") else "decode"
+    pool, run = route.pool, route.run
     body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
     async with gate:
         t = time.perf_counter()
@@ -185,7 +251,12 @@ async def _group(
         fleet.engines[gid] = eid
     phase = random.Random(index).uniform(0, HEARTBEAT_S)
     again = lambda: {"agents": fleet.agents(index, eid)}  # noqa: E731
-    beats.append(asyncio.create_task(_beat(pool, run, gid, eid, phase, stop, again)))
+    beats.append(asyncio.create_task(_beat(route, gid, eid, phase, stop, again)))
+
+
+def _pool(url: str) -> RawPool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return RawPool(host, int(port), CONNECTIONS)
 
 
 async def _planner(pool: RawPool, run: Run, prefill: list[str], rate: float, seed: int) -> None:
@@ -204,7 +275,7 @@ async def _planner(pool: RawPool, run: Run, prefill: list[str], rate: float, see
 
 
 async def fleet_run(
-    url: str,
+    url: str | Sequence[str],
     fleet: Fleet,
     *,
     warmup_s: float,
@@ -213,22 +284,24 @@ async def fleet_run(
     on_window: Callable[[bool], None] | None = None,
     after_window: Callable[[], dict[str, Any]] | None = None,
     launch: bool = True,
+    run: Run | None = None,
 ) -> dict[str, Any]:
     """Launch (unless ``launch`` is False: ``fleet.engines`` is given), heartbeats, the
-    window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends."""
-    run, stop = Run(), asyncio.Event()
+    window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends.
+    ``url``: one registry, or its replicas (the module's doc); ``run``: what is seen goes
+    there (``after_window`` may read it)."""
+    run, stop = run or Run(), asyncio.Event()
     gate = asyncio.Semaphore(IN_FLIGHT)
     beats: list[asyncio.Task[None]] = []
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     out: dict[str, Any] = {}
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    pool = RawPool(host, int(port), CONNECTIONS)
+    pools = [_pool(u) for u in ([url] if isinstance(url, str) else url)]
     try:
         if launch:
             await asyncio.gather(
                 *(
-                    _group(pool, fleet, run, i, g, gate, stop, beats)
+                    _group(Route(pools, run, i), fleet, i, g, gate, stop, beats)
                     for i, g in enumerate(fleet.groups)
                 )
             )
@@ -245,8 +318,10 @@ async def fleet_run(
         else:
             rng = random.Random(3)
             beats += [
-                asyncio.create_task(_beat(pool, run, g, e, rng.uniform(0, HEARTBEAT_S), stop))
-                for g, e in fleet.engines.items()
+                asyncio.create_task(
+                    _beat(Route(pools, run, i), g, e, rng.uniform(0, HEARTBEAT_S), stop)
+                )
+                for i, (g, e) in enumerate(fleet.engines.items())
             ]
         start = time.perf_counter() + warmup_s
         run.window = (start, start + window_s)
@@ -257,7 +332,10 @@ async def fleet_run(
         cpu1 = time.process_time()
         if prefill and handshakes_per_s > 0:
             await asyncio.gather(
-                *(_planner(pool, run, prefill, handshakes_per_s, k) for k in range(PLANNERS))
+                *(
+                    _planner(pools[k % len(pools)], run, prefill, handshakes_per_s, k)
+                    for k in range(PLANNERS)
+                )
             )
         await asyncio.sleep(max(0.0, run.window[1] - time.perf_counter()))
         if on_window:
@@ -270,7 +348,8 @@ async def fleet_run(
             task.cancel()
         await asyncio.gather(*beats, return_exceptions=True)
     finally:
-        pool.close()
+        for pool in pools:
+            pool.close()
     out["steady"] = {
         "window_s": window_s,
         "heartbeat": summary_ms(run.beats),

@@ -31,6 +31,7 @@ QUESTIONS = (
     "feed_lag",
     "decoders",
     "overload",
+    "replica_kill",
 )
 
 
