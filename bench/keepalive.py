@@ -10,15 +10,20 @@ and registered (``bench/fleet_load.py``'s bodies). Then, for ``--rounds`` rounds
   (``bench/raw_client.py``: prepared bytes, a few tens of µs of client Python);
 - ``stream``: one WebSocket a node, one message ``[g, engine_id, ranks]`` a renewal;
 - ``stream-422``: the same stream, a message the registry refuses before any lease work
-  (``[]``): the stream's own share (frames, the read, a problem answer).
+  (``[]``): the stream's own share (frames, the read, a problem answer);
+- ``floor``: the same messages over one WebSocket a node to ``bench.ws_floor``, a process on
+  the registry's loop (uvloop) that only unmasks each frame and writes a fixed frame as long as
+  the registry's renewal answer (measured first): "read a frame, write a frame" at one message
+  a wakeup, the framework's own floor for this pace.
 
-The registry's CPU (user + system, all its threads, from ``/proc/<pid>/stat``) over each
-window, less its idle rate (measured first), per renewal answered, its system share (the
-syscalls) beside it; the client's (this process's) per renewal, and the ceiling it implies
-(renewals a second on one core). Rounds interleave the modes; each mode's median and its
-ratio to ``rest``'s are of the same run. The defaults are the 100,000-rank fleet's pace on a
-fiftieth of its nodes: 200 nodes renewing 1,250 times a second (12,500 nodes every 10 s),
-about 40 s in all. Nothing is asserted; the JSON goes to ``bench/results/keepalive.json``.
+The server's CPU (user + system, all its threads, from ``/proc/<pid>/stat``: the registry's,
+the floor process's for ``floor``) over each window, less its idle rate (measured first), per
+renewal answered, its system share (the syscalls) beside it; the client's (this process's)
+per renewal, and the ceiling it implies (renewals a second on one core). Rounds interleave
+the modes; each mode's median and its ratio to ``rest``'s are of the same run. The defaults
+are the 100,000-rank fleet's pace on a fiftieth of its nodes: 200 nodes renewing 1,250 times
+a second (12,500 nodes every 10 s), about a minute in all. Nothing is asserted; the JSON
+goes to ``bench/results/keepalive.json``.
 """
 
 from __future__ import annotations
@@ -38,13 +43,22 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from bench.common import HOST, machine, registry_server, say, summary_ms, write_result
+from bench.common import (
+    HOST,
+    free_port,
+    machine,
+    registry_server,
+    say,
+    summary_ms,
+    write_result,
+)
 from bench.fleet import BLOB_BYTES, REGIONS
 from bench.fleet_load import TP, Fleet
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
+from bench.ws_floor import floor_server
 
-MODES = ("rest", "stream", "stream-422")
+MODES = ("rest", "stream", "stream-422", "floor")
 IDLE_S = 2.0
 Renew = Callable[[int], Awaitable[bool]]  # node index -> whether the answer was a renewal
 
@@ -127,6 +141,14 @@ async def measure(
     }
 
 
+async def idle_rates(pids: list[int]) -> list[float]:
+    """Each process's CPU share of a core over ``IDLE_S`` of nothing asked."""
+    before, wall0 = [cpu_seconds(p) for p in pids], time.monotonic()
+    await asyncio.sleep(IDLE_S)
+    wall = time.monotonic() - wall0
+    return [(cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]
+
+
 async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     fleet = Fleet(ranks=args.nodes * TP, blob_bytes=BLOB_BYTES, regions=REGIONS)
     port = int(url.rsplit(":", 1)[1])
@@ -145,6 +167,34 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     streams: list[ClientConnection] = [
         await connect(f"ws://{HOST}:{port}/keepalive", compression=None, proxy=None) for _ in groups
     ]
+    await streams[0].send(messages[0])
+    answer_bytes = len(await streams[0].recv(decode=False))  # the floor answers as long
+    floor_port = free_port()
+    with floor_server(floor_port, answer_bytes) as floor_pid:
+        floors = [
+            await connect(f"ws://{HOST}:{floor_port}/", compression=None, proxy=None)
+            for _ in groups
+        ]
+        result = await rounds(pid, floor_pid, args, pool, bodies, messages, streams, floors)
+        for ws in floors:
+            await ws.close()
+    for ws in streams:
+        await ws.close()
+    pool.close()
+    return result | {"floor_answer_bytes": answer_bytes}
+
+
+async def rounds(
+    pid: int,
+    floor_pid: int,
+    args: argparse.Namespace,
+    pool: RawPool,
+    bodies: list[bytes],
+    messages: list[str],
+    streams: list[ClientConnection],
+    floors: list[ClientConnection],
+) -> dict[str, Any]:
+    """``--rounds`` rounds of every mode, interleaved; the medians."""
 
     async def rest(i: int) -> bool:
         status, _ = await pool.send(bodies[i])
@@ -158,32 +208,36 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         await streams[i].send("[]")
         return b'"status":422' in (await streams[i].recv(decode=False))
 
-    renewals: dict[str, Renew] = {"rest": rest, "stream": stream, "stream-422": refused}
+    async def floor(i: int) -> bool:
+        await floors[i].send(messages[i])
+        return len(await floors[i].recv(decode=False)) > 0
+
+    renewals: dict[str, Renew] = {
+        "rest": rest,
+        "stream": stream,
+        "stream-422": refused,
+        "floor": floor,
+    }
     await asyncio.sleep(1.0)
-    idle0, wall0 = cpu_seconds(pid), time.monotonic()
-    await asyncio.sleep(IDLE_S)
-    idle_rate = (cpu_seconds(pid) - idle0) / (time.monotonic() - wall0)
-    say(f"registry idle: {idle_rate * 100:.1f}% of a core")
-    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    idle_rate, floor_idle = await idle_rates([pid, floor_pid])
+    say(f"idle: registry {idle_rate * 100:.1f}%, floor {floor_idle * 100:.1f}% of a core")
+    server = {m: (floor_pid, floor_idle) if m == "floor" else (pid, idle_rate) for m in MODES}
+    seen: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     for k in range(args.rounds):
         for mode in MODES:
-            got = await measure(pid, idle_rate, args.nodes, args.rate, args.seconds, renewals[mode])
-            rounds[mode].append(got)
+            got = await measure(*server[mode], args.nodes, args.rate, args.seconds, renewals[mode])
+            seen[mode].append(got)
             say(f"round {k + 1} {mode}: {got}")
-    for ws in streams:
-        await ws.close()
-    pool.close()
-    mid = {m: statistics.median(r["server_us"] for r in rounds[m]) for m in MODES}
+    mid = {m: statistics.median(r["server_us"] for r in seen[m]) for m in MODES}
     return {
         "nodes": args.nodes,
         "rate": args.rate,
         "seconds": args.seconds,
         "idle_core_share": round(idle_rate, 4),
-        "rounds": rounds,
+        "floor_idle_core_share": round(floor_idle, 4),
+        "rounds": seen,
         "server_us_median": mid,
-        "client_us_median": {
-            m: statistics.median(r["client_us"] for r in rounds[m]) for m in MODES
-        },
+        "client_us_median": {m: statistics.median(r["client_us"] for r in seen[m]) for m in MODES},
         "ratio_to_rest": {m: round(mid[m] / mid["rest"], 3) for m in MODES},
     }
 
@@ -193,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=200, help="TP 8 nodes, one group each")
     parser.add_argument("--rate", type=float, default=1250.0, help="renewals a second, all nodes")
     parser.add_argument("--seconds", type=float, default=5.0, help="each mode's window")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three modes")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the four modes")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-keepalive-") as tmp:
         store = f"sqlite:///{Path(tmp) / 'registry.db'}"
@@ -203,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("keepalive", result)
     for mode in MODES:
         say(
-            f"{mode:>10}: registry {result['server_us_median'][mode]:6.1f} µs a renewal, "
+            f"{mode:>10}: server {result['server_us_median'][mode]:6.1f} µs a renewal, "
             f"{result['ratio_to_rest'][mode]:.2f}x rest; client "
             f"{result['client_us_median'][mode]:6.1f} µs "
             f"(ceiling {1e6 / max(1.0, result['client_us_median'][mode]):,.0f}/s a core)"
