@@ -43,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench import fleet_load
-from bench.common import HOST, cpu_seconds, say, summary_ms
+from bench.common import HOST, cpu_seconds, machine, say, summary_ms, write_result
 from bench.fleet import BLOB_BYTES, HANDSHAKES_PER_S, REGIONS
 from bench.fleet_load import TP, Fleet, fleet_run
 from workers.tools.procs import RegistryProcess
@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     surge = args.surge_s or (10.0 if args.quick else 300.0)
     runs = [SEATS_OFF, None] if args.seats_baseline else [None]
     out = [measure(ranks, surge, args.times, args.quick, env) for env in runs]
+    if args.seats_baseline:
+        where = write_result("overload_seats", {"runs": out, "machine": machine()})
+        say(f"overload: wrote {where}")
     print(json.dumps(out if len(out) > 1 else out[0], indent=1))
     return 0
 
