@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+VLLM_SETUP_LOG := .venv-vllm-setup.log
 SOURCES := app registry_client workers harness tests bench
 
 .PHONY: run test test-tier test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
@@ -38,7 +39,14 @@ check: lint types
 
 # Every tier but real vLLM, then real vLLM in its own environment (.venv-vllm).
 # ENGINE_REGISTRY_REQUIRE_ALL=1: a tier that would skip for a missing part fails instead.
-test: $(VENV)/.dev system-deps check
+# .venv-vllm/ (scripts/setup-vllm.sh: about 100 s of downloads and unpacking from scratch) is
+# made while .venv/, the Debian packages and the checks are; the tests start once both are.
+test:
+	@bash scripts/setup-vllm.sh > $(VLLM_SETUP_LOG) 2>&1 & setup=$$!; \
+	$(MAKE) $(VENV)/.dev system-deps check; made=$$?; \
+	wait $$setup; vllm=$$?; cat $(VLLM_SETUP_LOG); \
+	if [ $$vllm -ne 0 ]; then echo "make test: scripts/setup-vllm.sh failed (exit $$vllm), its output above"; exit $$vllm; fi; \
+	exit $$made
 	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm"
 	$(MAKE) test-vllm
 
