@@ -14,11 +14,12 @@ $(VENV)/.service: pyproject.toml
 	$(BIN)/pip install -q -e .
 	touch $@
 
-# Everything the tests need: the workers extra pins torch==2.13.0 (a local CPU build).
+# Everything the tests need: the workers extra pins torch==2.13.0 (a local CPU build). flock:
+# scripts/setup-vllm.sh may be building its editable install of this checkout at the same time.
 $(VENV)/.dev: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[workers,etcd,router-sync,dev]'
+	flock pyproject.toml $(BIN)/pip install -q -e '.[workers,etcd,router-sync,dev]'
 	touch $@ $(VENV)/.service
 
 run: $(VENV)/.service

@@ -43,7 +43,9 @@ export PIP_NO_WARN_SCRIPT_LOCATION=1
 # This project, editable, for its vllm.general_plugins entry point and workers/ code; its
 # service dependencies (the launcher runs the registry, router-sync and vllm-router from this
 # environment too).
-"${PIP[@]}" install -q --no-deps -e "$ROOT"
+# Under a lock on pyproject.toml: `make test` builds .venv/'s editable install at the same time,
+# and both write engine_registry.egg-info in the checkout.
+flock "$ROOT/pyproject.toml" "${PIP[@]}" install -q --no-deps -e "$ROOT"
 # The service's dependencies, router-sync's extra and the workers' extra but torch and nixl
 # (pinned above) are read from pyproject.toml (a list kept here once drifted: a new dependency
 # was missing and the registry, or the plugin, could not start here).
