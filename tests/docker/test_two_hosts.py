@@ -189,13 +189,20 @@ class Deployment:
         return run.returncode == 0
 
     def wait_healthy(
-        self, argv: Sequence[str], service_name: str, host: netns.Host, timeout_s: float
+        self,
+        argv: Sequence[str],
+        service_name: str,
+        host: netns.Host,
+        timeout_s: float,
+        exits: Sequence[netns.Proc] = (),
     ) -> float:
+        """Until the service's health check passes; fails at once when a process other than
+        ``exits`` (those meant to stop, checked by the caller) has exited."""
         start = time.monotonic()
         while time.monotonic() - start < timeout_s:
             if self.health(argv, service_name, host):
                 return time.monotonic() - start
-            dead = [p for p in self.procs if p.poll() is not None]
+            dead = [p for p in self.procs if p.poll() is not None and p not in exits]
             if dead:
                 raise AssertionError(f"{dead[0].name} exited early\n{self.logs()}")
             time.sleep(0.5)
@@ -362,8 +369,12 @@ def run_deployment(
         )
         # decode depends_on prefill-node0 healthy: its compose health check, run as Docker does.
         assert node0.name == "prefill-node0"
-        ready_s = deploy.wait_healthy(
-            services["prefill-node0"].healthcheck or [], "prefill-node0", node0.host, 120
+        ready_s = deploy.wait_healthy(  # the refused decode may exit first (checked below)
+            services["prefill-node0"].healthcheck or [],
+            "prefill-node0",
+            node0.host,
+            120,
+            exits=[refused],
         )
         engine = http(
             probe,
