@@ -17,17 +17,18 @@ import base64
 import contextlib
 import hashlib
 import socket
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import cast
 
 import uvloop
 from websockets.speedups import apply_mask
 
 from app.server.bypass.keepalive import text_frame
-from bench.common import HOST, ROOT
+from bench.common import HOST, process
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, section 1.3
 HEAD_MAX = 16_384  # an upgrade request's longest head
@@ -127,28 +128,25 @@ async def serve(port: int, answer_bytes: int) -> None:
 
 @contextlib.contextmanager
 def floor_server(port: int, answer_bytes: int, timeout_s: float = 20.0) -> Iterator[int]:
-    """Run the floor as a process on ``port`` for the block; yields its pid."""
+    """Run the floor as a process on ``port`` for the block (``bench.common.process``: stopped
+    on the way out); yields its pid."""
     cmd = [sys.executable, "-m", "bench.ws_floor", str(port), "--answer-bytes", str(answer_bytes)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"bench.ws_floor exited with {proc.returncode}: {err[-500:]}")
-            with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.5):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bench.ws_floor took no connection on {port} in {timeout_s} s")
-            time.sleep(0.05)
-        yield proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+    with tempfile.TemporaryDirectory(prefix="bench-ws-floor-") as tmp:
+        log = Path(tmp) / "floor.log"
+        with process(cmd, log=log) as proc:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    said = log.read_text(errors="replace")[-500:]
+                    raise RuntimeError(f"bench.ws_floor exited with {proc.returncode}: {said}")
+                with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.5):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"bench.ws_floor took no connection on {port} in {timeout_s} s"
+                    )
+                time.sleep(0.05)
+            yield proc.pid
 
 
 def main(argv: list[str] | None = None) -> int:
