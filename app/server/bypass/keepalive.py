@@ -25,7 +25,6 @@ import logging
 import re
 from typing import Any, Protocol
 
-from prometheus_client import Counter
 from pydantic import ValidationError
 from starlette.types import Scope
 
@@ -44,18 +43,6 @@ EXTENSION = "keepalive.wire"  # scope["extensions"]: this protocol; its "renewer
 FAST_MAX = 65_535  # the longest frame read here (a 16-bit length)
 WRITE_LIMIT = 1 << 20  # answers a client leaves unread before it is cut off
 _GROUP = re.compile(GROUP_ID_PATTERN)
-# The last counter's ``renewed`` child: ``labels()`` takes a lock and builds a tuple, about 3 µs
-# of a live renewal (py-spy, bench.keepalive); one registry a process serves, tests make many.
-_renewed: tuple[Counter, Counter] | None = None
-
-
-def renewed_counter(counter: Counter) -> Counter:
-    """``counter.labels("renewed")``, looked up again only when the counter is another one."""
-    global _renewed
-    cached = _renewed
-    if cached is None or cached[0] is not counter:
-        cached = _renewed = (counter, counter.labels("renewed"))
-    return cached[1]
 
 
 def parse_renewal(data: Any) -> tuple[str, HeartbeatsRequest]:
@@ -92,7 +79,7 @@ async def renewal_answer(scope: Scope, registry: Registry, data: Any, arrived: f
             renewed = await registry.renew_agents(gid, body.engine_id, body.ranks)
         finally:
             IN_FLIGHT.end(token)
-        renewed_counter(registry.metrics.keepalive_renewals).inc()
+        registry.metrics.keepalive_renewals.labels("renewed").inc()
         return heartbeats_json(renewed)
     except (RegistryError, Unavailable) as exc:
         problem = at_edge(exc)
