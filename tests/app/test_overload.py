@@ -1,7 +1,8 @@
-"""A registry past its capacity (real processes over loopback, a real SQLite file): a
-heartbeat that reached it while it was stalled renews its lease, and a read flood from
-several processes is shed with Retry-After while a live rank's heartbeats stay within
-their budget (docs/operations.md, "Overload")."""
+"""A registry past its capacity (real processes over loopback, a real SQLite file or a real
+etcd): a heartbeat that reached it while it was stalled renews its lease, a lease outlives a
+restart longer than its ttl, a rank that stops renewing is still gone at its ttl, and a read
+flood from several processes is shed with Retry-After while a live rank's heartbeats stay
+within their budget (docs/operations.md, "Overload")."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.etcd import EtcdCluster
 from harness.server import RegistryProcess
 from tests.support.faults import agent_body, open_body
 
@@ -31,6 +33,15 @@ def gid(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture(params=["sqlite", "etcd"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The embedded store's file, or a prefix on a real single-member etcd."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'registry.db'}"
+    etcd: EtcdCluster = request.getfixturevalue("etcd_single")
+    return etcd.url(gid("overload"))
+
+
 def _live_rank(http: httpx.Client, ttl_s: int = 5) -> tuple[str, str]:
     group = gid("over")
     opened = http.put(f"/tp-groups/{group}/engine", json=open_body())
@@ -41,10 +52,10 @@ def _live_rank(http: httpx.Client, ttl_s: int = 5) -> tuple[str, str]:
     return group, engine_id
 
 
-def test_a_heartbeat_queued_while_the_registry_stalled_renews_its_lease(tmp_path: Path) -> None:
-    reg = RegistryProcess(
-        f"sqlite:///{tmp_path / 'stall.db'}", args=QUIET, log_path=tmp_path / "reg.log"
-    ).start()
+def test_a_heartbeat_queued_while_the_registry_stalled_renews_its_lease(
+    store_url: str, tmp_path: Path
+) -> None:
+    reg = RegistryProcess(store_url, args=QUIET, log_path=tmp_path / "reg.log").start()
     try:
         with httpx.Client(base_url=reg.url, timeout=30) as http:
             group, engine_id = _live_rank(http, ttl_s=5)
@@ -71,10 +82,10 @@ def test_a_heartbeat_queued_while_the_registry_stalled_renews_its_lease(tmp_path
         reg.stop()
 
 
-def test_a_lease_outlives_a_registry_restart_longer_than_its_ttl(tmp_path: Path) -> None:
-    reg = RegistryProcess(
-        f"sqlite:///{tmp_path / 'restart.db'}", args=QUIET, log_path=tmp_path / "reg.log"
-    ).start()
+def test_a_lease_outlives_a_registry_restart_longer_than_its_ttl(
+    store_url: str, tmp_path: Path
+) -> None:
+    reg = RegistryProcess(store_url, args=QUIET, log_path=tmp_path / "reg.log").start()
     try:
         with httpx.Client(base_url=reg.url, timeout=30) as http:
             group, engine_id = _live_rank(http, ttl_s=5)
@@ -87,6 +98,29 @@ def test_a_lease_outlives_a_registry_restart_longer_than_its_ttl(tmp_path: Path)
         with httpx.Client(base_url=reg.url, timeout=30) as http:
             again = http.post(path, json={"engine_id": engine_id})
             assert again.status_code == 200, f"lapsed while no registry ran: {again.text}"
+    finally:
+        reg.stop()
+
+
+def test_a_rank_that_stops_renewing_is_gone_at_its_ttl(store_url: str, tmp_path: Path) -> None:
+    """The grace is for the registry's stalls only: a rank that stops renewing is gone within
+    its ttl and the sweep, though etcd keeps the lease for the grace (REGISTRY_LEASE_GRACE_S)
+    past it."""
+    reg = RegistryProcess(store_url, args=QUIET, log_path=tmp_path / "reg.log").start()
+    try:
+        with httpx.Client(base_url=reg.url, timeout=30) as http:
+            group, engine_id = _live_rank(http, ttl_s=5)
+            path = f"/tp-groups/{group}/engine/agents/0"
+            assert http.post(f"{path}/heartbeat", json={"engine_id": engine_id}).status_code == 200
+            renewed = time.monotonic()
+            deadline = renewed + 30
+            while http.get(f"/tp-groups/{group}/engine").json()["agents"]:
+                assert time.monotonic() < deadline, "a rank that stopped renewing outlived 30 s"
+                time.sleep(0.1)
+            gone_after = time.monotonic() - renewed
+            assert 4.5 < gone_after < 5 + 2.5, f"gone {gone_after:.1f} s after its last renewal"
+            late = http.post(f"{path}/heartbeat", json={"engine_id": engine_id})
+            assert late.status_code == 404, late.text
     finally:
         reg.stop()
 

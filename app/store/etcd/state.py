@@ -29,7 +29,9 @@ class LeaseBook:
         self._note(lease, remaining, remaining)
 
     def asked(self, lease: int, remaining: float, granted_ttl: int) -> None:
-        self._note(lease, remaining, self.cache_s if self.cache_s is not None else granted_ttl / 3)
+        trust = self.cache_s if self.cache_s is not None else granted_ttl / 3
+        # Out of time but kept by etcd (the headroom): a heartbeat may yet renew it.
+        self._note(lease, remaining, trust if remaining > 0 else min(trust, 1.0))
 
     def _note(self, lease: int, remaining: float | None, trust_s: float | None) -> None:
         if remaining is None or trust_s is None:

@@ -3,7 +3,9 @@
 
 - a transaction is one Txn (``mod_revision == r``, or ``version == 0`` for "absent"); its
   header's revision answers, won or lost; a prefix delete is a DeleteRange;
-- leases are etcd leases, expiring on the cluster's clock; what one has left is known when
+- leases are etcd leases, granted for their ttl plus a headroom that the replica serving
+  their renewals ends at their ttl, crediting its own stalls (``etcd_reaper``: a heartbeat
+  that waited in a stalled replica still finds its lease); what one has left is known when
   this store granted or renewed it, else asked once per ``lease_cache_s`` (default: a third
   of its TTL) however many readers want it. A lease only gains time (renewed through another
   replica): the figure is a lower bound, asked again when it runs out. Renewals go through a
@@ -48,6 +50,7 @@ from app.store.etcd import watch as etcd_watch
 from app.store.etcd.cluster import Cluster
 from app.store.etcd.config import EtcdAccess, EtcdUrl, parse_url
 from app.store.etcd.keepalive import KeepAlives, Renewed
+from app.store.etcd.reaper import Reaper, headroom, headroom_s, logical
 from app.store.etcd.state import LeaseBook, WatchHub
 
 
@@ -85,7 +88,8 @@ class EtcdStore(Store):
         self._call = self._cluster.call
         self._probe_interval_s = probe_interval_s
         self._leases = LeaseBook(lease_cache_s)
-        self._asking: dict[int, asyncio.Task[float]] = {}
+        self._asking: dict[int, asyncio.Task[tuple[float, int]]] = {}
+        self.reaper = Reaper(self._lease_figures, self.revoke_lease)
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
         self._keepalives: weakref.WeakKeyDictionary[Any, KeepAlives] = weakref.WeakKeyDictionary()
         self._hubs: dict[str, WatchHub] = {}
@@ -162,6 +166,9 @@ class EtcdStore(Store):
         entries = [self._entry(kv) for kv in kvs]  # etcd answers in key order
         leases = {e.lease for e in entries if e.lease is not None}
         remaining = await self._remaining(leases) if leases else {}
+        # A key whose lease's time is out (etcd keeps it for the headroom) is not shown, as
+        # the SQLite store shows none past its lease's expiry.
+        entries = [e for e in entries if e.lease is None or remaining.get(e.lease, 1.0) > 0]
         return Snapshot(entries, revision, remaining)
 
     async def _read_prefix(self, prefix: str) -> tuple[list[Any], int]:
@@ -173,13 +180,19 @@ class EtcdStore(Store):
         known = {lease: self._leases.remaining(lease) for lease in leases}
         out = {lease: left for lease, left in known.items() if left is not None}
         ask = [lease for lease, left in known.items() if left is None]
-        for lease in ask:  # one question per lease however many readers want it at once
-            if lease not in self._asking:
-                self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
-        found = await asyncio.gather(*(asyncio.shield(self._asking[k]) for k in ask))
-        return out | dict(zip(ask, found, strict=True))
+        found = await asyncio.gather(*(self._lease_figures(k) for k in ask))
+        out |= {k: logical(*f) for k, f in zip(ask, found, strict=True)}
+        if self.reaper.graced:  # this replica's stalls, credited to the leases it follows
+            out = {k: left + self.reaper.grace(k) for k, left in out.items()}
+        return out
 
-    async def _ask_lease(self, lease: int) -> float:
+    async def _lease_figures(self, lease: int) -> tuple[float, int]:
+        """etcd's (TTL left, granted TTL) of the lease, asked once however many want it."""
+        if lease not in self._asking:  # one question per lease however many ask at once
+            self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
+        return await asyncio.shield(self._asking[lease])
+
+    async def _ask_lease(self, lease: int) -> tuple[float, int]:
         request = rpc.LeaseTimeToLiveRequest(ID=lease)
         try:
             info = await self._call(
@@ -187,8 +200,10 @@ class EtcdStore(Store):
             )
         finally:
             self._asking.pop(lease, None)
-        self._leases.asked(lease, max(0.0, float(info.TTL)), int(info.grantedTTL))
-        return max(0.0, float(info.TTL))
+        figures = max(0.0, float(info.TTL)), int(info.grantedTTL)
+        room = headroom(figures[1])
+        self._leases.asked(lease, logical(*figures), figures[1] - room)
+        return figures
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -226,15 +241,26 @@ class EtcdStore(Store):
         return await self._call("transaction", fn)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
-        request = rpc.LeaseGrantRequest(TTL=ttl_s)
+        request = rpc.LeaseGrantRequest(TTL=ttl_s + headroom_s())
         granted = await self._call(
             "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
         )
-        lease = Lease(int(granted.ID), int(granted.TTL), float(granted.TTL))
-        self._leases.granted(lease.id, lease.remaining_s)
-        return lease
+        return self._followed(int(granted.ID), int(granted.TTL))
+
+    def _followed(self, lease_id: int, granted_ttl: int, revision: int | None = None) -> Lease:
+        """A lease this replica granted or renewed, now at its full ``granted_ttl``: its
+        logical time, known to readers and followed by the reaper."""
+        ttl = granted_ttl - headroom(granted_ttl)
+        self._leases.granted(lease_id, float(ttl))
+        if not self._closed:
+            self.reaper.noted(lease_id, ttl, float(ttl))
+            self.reaper.start()
+        return Lease(lease_id, ttl, float(ttl), revision)
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
+        if self.reaper.overdue(lease_id) and await self.reaper.settle(lease_id):
+            return None  # its time ran out before this renewal arrived: judged as SQLite does
+
         async def fn(client: aetcd.Client, seconds: float) -> Renewed:
             streams = self._keepalives.get(client)
             if streams is None:
@@ -244,9 +270,9 @@ class EtcdStore(Store):
         renewed = await self._call("lease refresh", fn)
         if renewed.ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             self._leases.granted(lease_id, None)
+            self.reaper.forget(lease_id)
             return None
-        self._leases.granted(lease_id, float(renewed.ttl))
-        return Lease(lease_id, renewed.ttl, float(renewed.ttl), renewed.revision)
+        return self._followed(lease_id, renewed.ttl, renewed.revision)
 
     async def revoke_lease(self, lease_id: int) -> None:
         request = rpc.LeaseRevokeRequest(ID=lease_id)
@@ -260,6 +286,7 @@ class EtcdStore(Store):
 
         await self._call("lease revoke", fn)
         self._leases.granted(lease_id, None)
+        self.reaper.forget(lease_id)
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -391,6 +418,7 @@ class EtcdStore(Store):
         if self._closed:
             return
         self._closed = True
+        self.reaper.close()
         for task in [self._prober, *(h.task for h in self._hubs.values())]:
             if task is not None:
                 task.cancel()

@@ -1,0 +1,205 @@
+"""The lease clock on etcd: etcd keeps each lease ``headroom`` seconds past its ttl, and the
+replica that served its renewals ends it at its ttl, crediting its own stalls.
+
+etcd expires a lease on the cluster's clock: a heartbeat that reached a replica in time but
+waited there (its loop stalled, its process stopped or starved) would find the lease gone,
+and a single replica's restart would lapse every lease with less time left than the
+restart took. So a lease is granted for its ttl plus ``headroom_s`` (``REGISTRY_LEASE_GRACE_S``),
+and the registry's figures are the lease's *logical* time: what etcd says it has left, less
+the headroom (``logical``). The replica that granted or renewed a lease ends it (a
+``LeaseRevoke``: etcd deletes its keys and the watch says so) once its logical time is out,
+by the rules of the SQLite store's lease clock (``app/store/lease_clock.py``):
+
+- it asks etcd first (``LeaseTimeToLive``): a lease renewed through another replica, or
+  refreshed by a new etcd leader, has time again and stays;
+- a stall of this replica's loop is added to every lease it follows, at most ``headroom_s``
+  since the lease's last renewal (``lease_clock.extend``), and a lease that a heartbeat in
+  flight reached in time is spared (``lease_clock.sweep_cutoff``).
+
+A lease no live replica follows (its replica was killed or restarted) is ended by etcd itself
+at its ttl plus the headroom. So a dead rank is found within its ttl (plus ``interval_s``) while
+its replica runs, and within ttl + ``headroom_s`` at most; a lapse means the rank stopped
+renewing, unless a replica stalled for longer than the headroom.
+
+Every replica must run with the same ``REGISTRY_LEASE_GRACE_S``: a lease's headroom is read
+from its granted TTL (``headroom``), and a lease granted with none (ttl not above the
+headroom: granted before this rule, or with a grace of 0) is judged on etcd's figure alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+from app.store.lease_clock import (
+    ARRIVED,
+    CLOCK,
+    LoopWatch,
+    StoredLease,
+    expiry_heap,
+    extend,
+    loop_watch,
+    sweep_cutoff,
+)
+
+log = logging.getLogger("app.store")
+
+INTERVAL_S = 0.5  # how often due leases are looked at
+ASK_AT_ONCE = 64  # LeaseTimeToLive calls in flight at once
+
+
+def headroom_s() -> int:
+    """Seconds granted past a lease's ttl (``REGISTRY_LEASE_GRACE_S``, rounded up)."""
+    return math.ceil(CLOCK.grace_s)
+
+
+def headroom(granted_ttl: int) -> int:
+    """The headroom a lease granted for ``granted_ttl`` seconds holds: none when the TTL is not
+    above it (a lease granted before this rule, or with a grace of 0)."""
+    room = headroom_s()
+    return room if granted_ttl > room else 0
+
+
+def logical(ttl_left: float, granted_ttl: int) -> float:
+    """What a lease has left as the registry counts it, from etcd's figures."""
+    return max(0.0, ttl_left - headroom(granted_ttl))
+
+
+# etcd's figures of a lease now: (TTL left, granted TTL); TTL left <= 0: etcd no longer has it.
+Ask = Callable[[int], Awaitable[tuple[float, int]]]
+Revoke = Callable[[int], Awaitable[None]]
+
+
+class Reaper:
+    """The leases this replica granted or renewed, each with its logical expiry (wall
+    clock), and the task that ends them when it passes."""
+
+    def __init__(self, ask: Ask, revoke: Revoke, interval_s: float = INTERVAL_S) -> None:
+        self._ask, self._revoke = ask, revoke
+        self.interval_s = interval_s
+        self.leases: dict[int, StoredLease] = {}
+        self._due: list[tuple[float, int]] = []  # heap; stale items are skipped
+        self._watch: LoopWatch | None = None
+        self._stalls_seen = -1
+        self._task: asyncio.Task[None] | None = None
+        self.ended = 0  # leases revoked at their logical expiry
+        self.graced = False  # a stall was ever credited (readers then add ``grace``)
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def noted(self, lease_id: int, ttl_s: int, remaining_s: float) -> None:
+        """This replica granted or renewed the lease: ``remaining_s`` of logical time."""
+        expires_at = time.time() + remaining_s
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            self.leases[lease_id] = StoredLease(ttl_s, expires_at)
+        else:
+            lease.ttl_s, lease.expires_at, lease.grace = ttl_s, expires_at, 0.0
+        heapq.heappush(self._due, (expires_at, lease_id))
+        if len(self._due) > 4 * len(self.leases) + 1024:  # renewals leave stale items
+            self._due = expiry_heap(self.leases)
+
+    def forget(self, lease_id: int) -> None:
+        self.leases.pop(lease_id, None)
+
+    def grace(self, lease_id: int) -> float:
+        """The stall time credited to the lease since its last renewal here."""
+        lease = self.leases.get(lease_id)
+        return 0.0 if lease is None else lease.grace
+
+    def credit(self) -> None:
+        """Credit the loop's stalls not yet credited to every lease followed."""
+        watch = self._watch
+        if watch is None or watch.loop.is_closed():
+            watch = self._watch = loop_watch()
+        watch.note()
+        if self._stalls_seen != watch.count:
+            seen, self._stalls_seen = self._stalls_seen, watch.count
+            if seen >= 0 and any([extend(self.leases, *s) for s in watch.since(seen)]):
+                self._due = expiry_heap(self.leases)
+                self.graced = True
+
+    def overdue(self, lease_id: int) -> bool:
+        """Whether a renewal arriving now (``ARRIVED``) comes after the lease's time ran out,
+        as this replica knows it (another replica may have renewed it since: ``settle``)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        self.credit()
+        arrived = ARRIVED.get()
+        return lease.expires_at <= (time.time() if arrived is None else arrived)
+
+    async def settle(self, lease_id: int) -> bool:
+        """Judge an overdue lease with etcd's figures now: True when it was ended (the
+        renewal that found it so is refused, as the SQLite store refuses a late one)."""
+        if self._judge(lease_id, *await self._ask(lease_id)):
+            await self._revoke(lease_id)
+            self.leases.pop(lease_id, None)
+            self.ended += 1
+            return True
+        return False
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.reap()
+            except Exception as exc:  # etcd unreachable: etcd's own expiry still bounds it
+                log.warning("lease reaper: %s; tried again in %.1f s", exc, self.interval_s)
+
+    def _take_due(self, cutoff: float) -> list[int]:
+        due: list[int] = []
+        while self._due and self._due[0][0] < cutoff:
+            at, lease_id = heapq.heappop(self._due)
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.expires_at == at:  # else renewed since, or gone
+                due.append(lease_id)
+        return due
+
+    async def reap(self) -> int:
+        """End the followed leases whose logical time ran out (etcd agreeing); how many."""
+        self.credit()
+        due = self._take_due(sweep_cutoff(time.time()))
+        ended = 0
+        for at in range(0, len(due), ASK_AT_ONCE):
+            chunk = due[at : at + ASK_AT_ONCE]
+            figures = await asyncio.gather(*(self._ask(i) for i in chunk))
+            gone = [i for i, f in zip(chunk, figures, strict=True) if self._judge(i, *f)]
+            await asyncio.gather(*(self._revoke(i) for i in gone))
+            for lease_id in gone:
+                self.leases.pop(lease_id, None)
+            ended += len(gone)
+        self.ended += ended
+        return ended
+
+    def _judge(self, lease_id: int, ttl_left: float, granted_ttl: int) -> bool:
+        """True: revoke it now. Else it is followed on with what etcd says it has."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        if ttl_left <= 0:  # etcd ended it already
+            self.leases.pop(lease_id, None)
+            return False
+        now = time.time()
+        left = ttl_left - headroom(granted_ttl)
+        if left > 0:  # renewed elsewhere, or refreshed by a new leader: its clock restarts
+            lease.grace = 0.0
+            expires_at = now + left
+        else:
+            expires_at = now + left + lease.grace  # with the stalls credited to it
+            if expires_at < sweep_cutoff(now):  # and no heartbeat in flight reached it in time
+                return True
+            expires_at = max(expires_at, now + self.interval_s)
+        lease.expires_at = expires_at
+        heapq.heappush(self._due, (expires_at, lease_id))
+        return False
