@@ -148,7 +148,7 @@ class Settings(BaseSettings):
         ge=0,
         le=3600,
         description="Most a lease's expiry moves for the registry's own stalls and restarts "
-        "since its last renewal (0: no grace).",
+        "since its last renewal (0: no grace); etcd keeps a lease this long past its ttl.",
     )
     loop_stall_s: float = Field(
         1.0, gt=0, le=60, description="A gap in the event loop longer than this is a stall."

@@ -161,8 +161,8 @@ def test_a_read_flood_is_shed_with_retry_after_and_a_live_rank_keeps_its_lease(
     tmp_path: Path,
 ) -> None:
     # Past 2 seats a read is shed at once (no wait for a seat): 48 readers always exceed them.
-    shed = ["--shed-lag-s", "0.05", "--shed-in-flight", "2", "--shed-queue-s", "0"]
-    args = [*QUIET, *shed, "--shed-retry-after-s", "1"]
+    shedding = ["--shed-lag-s", "0.05", "--shed-in-flight", "2", "--shed-queue-s", "0"]
+    args = [*QUIET, *shedding, "--shed-retry-after-s", "1"]
     reg = RegistryProcess(
         f"sqlite:///{tmp_path / 'flood.db'}", args=args, log_path=tmp_path / "reg.log"
     ).start()
