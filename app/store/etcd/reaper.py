@@ -150,12 +150,24 @@ class Reaper:
         return False
 
     async def _run(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.reap()
             except Exception as exc:  # etcd unreachable: etcd's own expiry still bounds it
-                log.warning("lease reaper: %s; tried again in %.1f s", exc, self.interval_s)
+                if not failing:
+                    log.warning(
+                        "lease reaper: %s; leases due are tried every %.1f s, and etcd ends "
+                        "them at their ttl + REGISTRY_LEASE_GRACE_S meanwhile",
+                        exc,
+                        self.interval_s,
+                    )
+                failing = True
+            else:
+                if failing:
+                    log.warning("lease reaper: etcd answers again")
+                failing = False
 
     def _take_due(self, cutoff: float) -> list[int]:
         due: list[int] = []
@@ -167,19 +179,27 @@ class Reaper:
         return due
 
     async def reap(self) -> int:
-        """End the followed leases whose logical time ran out (etcd agreeing); how many."""
+        """End the followed leases whose logical time ran out (etcd agreeing); how many. On
+        a failed call the leases not yet judged stay due (looked at again next time)."""
         self.credit()
         due = self._take_due(sweep_cutoff(time.time()))
         ended = 0
-        for at in range(0, len(due), ASK_AT_ONCE):
-            chunk = due[at : at + ASK_AT_ONCE]
-            figures = await asyncio.gather(*(self._ask(i) for i in chunk))
-            gone = [i for i, f in zip(chunk, figures, strict=True) if self._judge(i, *f)]
-            await asyncio.gather(*(self._revoke(i) for i in gone))
-            for lease_id in gone:
-                self.leases.pop(lease_id, None)
-            ended += len(gone)
-        self.ended += ended
+        try:
+            for at in range(0, len(due), ASK_AT_ONCE):
+                chunk = due[at : at + ASK_AT_ONCE]
+                figures = await asyncio.gather(*(self._ask(i) for i in chunk))
+                gone = [i for i, f in zip(chunk, figures, strict=True) if self._judge(i, *f)]
+                await asyncio.gather(*(self._revoke(i) for i in gone))
+                for lease_id in gone:
+                    self.leases.pop(lease_id, None)
+                ended += len(gone)
+                self.ended += len(gone)
+        except BaseException:
+            for lease_id in due:  # judged ones were pushed again with their new expiry
+                lease = self.leases.get(lease_id)
+                if lease is not None:
+                    heapq.heappush(self._due, (lease.expires_at, lease_id))
+            raise
         return ended
 
     def _judge(self, lease_id: int, ttl_left: float, granted_ttl: int) -> bool:

@@ -6,6 +6,9 @@ leases it follows."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -106,3 +109,35 @@ def test_a_stall_of_the_replica_is_credited_to_its_leases(etcd: EtcdCluster) -> 
             await store.close()
 
     asyncio.run(body())
+
+
+def test_a_lease_due_while_etcd_was_unreachable_is_ended_once_it_answers(
+    etcd: EtcdCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    proc = etcd.members[0].proc
+    assert proc is not None
+
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(uuid.uuid4().hex), timeout_s=1.0)
+        try:
+            lease = await store.grant_lease(2)
+            assert (await store.txn([], [Put("agent", b"x", lease.id)])).succeeded
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(4.0)  # due at 2 s: the reaper's calls fail meanwhile
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert store.reaper.ended == 0
+            started = time.monotonic()
+            while await store.get("agent") is not None:  # etcd alone would keep it 58 s
+                assert time.monotonic() - started < 10, "a lease due in the outage was dropped"
+                await asyncio.sleep(0.1)
+            assert store.reaper.ended == 1
+        finally:
+            await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="app.store"):
+        asyncio.run(body())
+    said = [r.getMessage() for r in caplog.records if "lease reaper" in r.getMessage()]
+    assert len(said) == 2, said  # once when it failed, once when etcd answered again
+    assert "REGISTRY_LEASE_GRACE_S" in said[0]
