@@ -38,6 +38,8 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,7 @@ from bench.fleet_load import TP, Fleet
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 from bench.ws_floor import floor_server
+from workers.tools.procs import RegistryProcess
 
 MODES = ("rest", "stream", "stream-422", "floor")
 IDLE_S = 2.0
@@ -149,10 +152,27 @@ async def idle_rates(pids: list[int]) -> list[float]:
     return [(cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]
 
 
-async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    fleet = Fleet(ranks=args.nodes * TP, blob_bytes=BLOB_BYTES, regions=REGIONS)
+@dataclass
+class Target:
+    """One registry under the fleet's load: its process, one pool and one stream a node."""
+
+    pid: int
+    pool: RawPool
+    bodies: list[bytes]
+    messages: list[str]
+    streams: list[ClientConnection]
+
+    async def close(self) -> None:
+        for ws in self.streams:
+            await ws.close()
+        self.pool.close()
+
+
+async def target(url: str, pid: int, nodes: int) -> Target:
+    """``nodes`` TP 8 groups opened and registered on ``url``, each node's requests prepared."""
+    fleet = Fleet(ranks=nodes * TP, blob_bytes=BLOB_BYTES, regions=REGIONS)
     port = int(url.rsplit(":", 1)[1])
-    pool = RawPool(HOST, port, args.nodes)
+    pool = RawPool(HOST, port, nodes)
     await launch(pool, fleet)
     groups = fleet.groups
     bodies = [
@@ -167,78 +187,93 @@ async def run(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     streams: list[ClientConnection] = [
         await connect(f"ws://{HOST}:{port}/keepalive", compression=None, proxy=None) for _ in groups
     ]
-    await streams[0].send(messages[0])
-    answer_bytes = len(await streams[0].recv(decode=False))  # the floor answers as long
+    return Target(pid, pool, bodies, messages, streams)
+
+
+async def run(
+    url: str, pid: int, before: tuple[str, int] | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    now = await target(url, pid, args.nodes)
+    old = await target(*before, args.nodes) if before is not None else None
+    await now.streams[0].send(now.messages[0])
+    answer_bytes = len(await now.streams[0].recv(decode=False))  # the floor answers as long
     floor_port = free_port()
     with floor_server(floor_port, answer_bytes) as floor_pid:
         floors = [
             await connect(f"ws://{HOST}:{floor_port}/", compression=None, proxy=None)
-            for _ in groups
+            for _ in now.messages
         ]
-        result = await rounds(pid, floor_pid, args, pool, bodies, messages, streams, floors)
+        result = await rounds(now, old, floor_pid, floors, args)
         for ws in floors:
             await ws.close()
-    for ws in streams:
-        await ws.close()
-    pool.close()
+    for t in (now, old):
+        if t is not None:
+            await t.close()
     return result | {"floor_answer_bytes": answer_bytes}
 
 
-async def rounds(
-    pid: int,
-    floor_pid: int,
-    args: argparse.Namespace,
-    pool: RawPool,
-    bodies: list[bytes],
-    messages: list[str],
-    streams: list[ClientConnection],
-    floors: list[ClientConnection],
-) -> dict[str, Any]:
-    """``--rounds`` rounds of every mode, interleaved; the medians."""
+def renewals(t: Target) -> dict[str, Renew]:
+    """The modes a registry serves: ``rest``, ``stream``, ``stream-422``."""
 
     async def rest(i: int) -> bool:
-        status, _ = await pool.send(bodies[i])
+        status, _ = await t.pool.send(t.bodies[i])
         return status == 200
 
     async def stream(i: int) -> bool:
-        await streams[i].send(messages[i])
-        return b'"agents"' in (await streams[i].recv(decode=False))
+        await t.streams[i].send(t.messages[i])
+        return b'"agents"' in (await t.streams[i].recv(decode=False))
 
     async def refused(i: int) -> bool:
-        await streams[i].send("[]")
-        return b'"status":422' in (await streams[i].recv(decode=False))
+        await t.streams[i].send("[]")
+        return b'"status":422' in (await t.streams[i].recv(decode=False))
+
+    return {"rest": rest, "stream": stream, "stream-422": refused}
+
+
+async def rounds(
+    now: Target,
+    old: Target | None,
+    floor_pid: int,
+    floors: list[ClientConnection],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """``--rounds`` rounds of every mode, interleaved; the medians."""
 
     async def floor(i: int) -> bool:
-        await floors[i].send(messages[i])
+        await floors[i].send(now.messages[i])
         return len(await floors[i].recv(decode=False)) > 0
 
-    renewals: dict[str, Renew] = {
-        "rest": rest,
-        "stream": stream,
-        "stream-422": refused,
-        "floor": floor,
-    }
+    modes: list[str] = list(args.modes)
     await asyncio.sleep(1.0)
-    idle_rate, floor_idle = await idle_rates([pid, floor_pid])
-    say(f"idle: registry {idle_rate * 100:.1f}%, floor {floor_idle * 100:.1f}% of a core")
-    server = {m: (floor_pid, floor_idle) if m == "floor" else (pid, idle_rate) for m in MODES}
-    seen: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    pids = [now.pid, floor_pid] + ([old.pid] if old is not None else [])
+    idle = dict(zip(pids, await idle_rates(pids), strict=True))
+    say("idle: " + ", ".join(f"pid {p} {r * 100:.1f}%" for p, r in idle.items()) + " of a core")
+    server: dict[str, tuple[int, Renew]] = {m: (now.pid, r) for m, r in renewals(now).items()}
+    server["floor"] = (floor_pid, floor)
+    if old is not None:  # the stream's modes on the registry of --before, interleaved
+        modes += [f"{m}-before" for m in modes if m.startswith("stream")]
+        server |= {f"{m}-before": (old.pid, r) for m, r in renewals(old).items()}
+    seen: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     for k in range(args.rounds):
-        for mode in MODES:
-            got = await measure(*server[mode], args.nodes, args.rate, args.seconds, renewals[mode])
+        for mode in modes:
+            pid, renew = server[mode]
+            got = await measure(pid, idle[pid], args.nodes, args.rate, args.seconds, renew)
             seen[mode].append(got)
             say(f"round {k + 1} {mode}: {got}")
-    mid = {m: statistics.median(r["server_us"] for r in seen[m]) for m in MODES}
+    mid = {m: statistics.median(r["server_us"] for r in seen[m]) for m in modes}
+    base = mid.get("rest") or mid[modes[0]]
     return {
         "nodes": args.nodes,
         "rate": args.rate,
         "seconds": args.seconds,
-        "idle_core_share": round(idle_rate, 4),
-        "floor_idle_core_share": round(floor_idle, 4),
+        "modes": modes,
+        "idle_core_share": round(idle[now.pid], 4),
+        "floor_idle_core_share": round(idle[floor_pid], 4),
         "rounds": seen,
         "server_us_median": mid,
-        "client_us_median": {m: statistics.median(r["client_us"] for r in seen[m]) for m in MODES},
-        "ratio_to_rest": {m: round(mid[m] / mid["rest"], 3) for m in MODES},
+        "client_us_median": {m: statistics.median(r["client_us"] for r in seen[m]) for m in modes},
+        "ratio_to_rest": {m: round(mid[m] / base, 3) for m in modes},
+        "ratio_to_floor": {m: round(mid[m] / mid["floor"], 2) for m in modes if "floor" in mid},
     }
 
 
@@ -247,18 +282,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=200, help="TP 8 nodes, one group each")
     parser.add_argument("--rate", type=float, default=1250.0, help="renewals a second, all nodes")
     parser.add_argument("--seconds", type=float, default=5.0, help="each mode's window")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the four modes")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the modes")
+    parser.add_argument(
+        "--modes",
+        type=lambda text: [m for m in text.split(",") if m],
+        default=list(MODES),
+        help=f"comma-separated, of {','.join(MODES)} (a profile's load: one mode)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of other code (git archive COMMIT app | tar -x -C DIR): its registry "
+        "too, the stream's modes, interleaved (MODE-before)",
+    )
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-keepalive-") as tmp:
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown or not args.modes:
+        parser.error(f"--modes: {unknown or 'none'} not of {','.join(MODES)}")
+    with tempfile.TemporaryDirectory(prefix="bench-keepalive-") as tmp, ExitStack() as stack:
         store = f"sqlite:///{Path(tmp) / 'registry.db'}"
-        with registry_server(store, log=Path(tmp) / "registry.log") as url:
-            result = asyncio.run(run(url, url.pid, args))
+        url = stack.enter_context(registry_server(store, log=Path(tmp) / "registry.log"))
+        before = None
+        if args.before is not None:
+            old = RegistryProcess(
+                f"sqlite:///{Path(tmp) / 'before.db'}",
+                host=HOST,
+                log_path=Path(tmp) / "before.log",
+                cwd=args.before.resolve(),
+            ).start(timeout_s=30.0)
+            stack.callback(old.stop)
+            before = (old.url, old.pid)
+        result = asyncio.run(run(url, url.pid, before, args))
     result["machine"] = machine()
+    result["before"] = str(args.before) if args.before else None
     path = write_result("keepalive", result)
-    for mode in MODES:
+    for mode in result["modes"]:
         say(
             f"{mode:>10}: server {result['server_us_median'][mode]:6.1f} µs a renewal, "
-            f"{result['ratio_to_rest'][mode]:.2f}x rest; client "
+            f"{result['ratio_to_rest'][mode]:.2f}x rest, "
+            f"{result['ratio_to_floor'].get(mode, 0):.1f}x floor; client "
             f"{result['client_us_median'][mode]:6.1f} µs "
             f"(ceiling {1e6 / max(1.0, result['client_us_median'][mode]):,.0f}/s a core)"
         )

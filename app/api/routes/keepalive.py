@@ -23,6 +23,7 @@ renews over REST (``workers/keepalive.py``).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import time
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from starlette.types import Receive, Scope, Send
 from app.core.errors import NotFound, Overloaded
 from app.registry import Registry
 from app.security.auth import CREDENTIAL, send_refusal
-from app.server.bypass.keepalive import EXTENSION, renewal_answer
+from app.server.bypass.inline import Waiting, run_inline
+from app.server.bypass.keepalive import EXTENSION, Answers
 
 PATH = "/keepalive"
 
@@ -50,51 +52,82 @@ class KeepAliveLimits:
 
 class Stream:
     """One held stream, as ``TokenSource.hold`` knows it: ``finish`` ends it (revocation).
-    Its deadline runs while it waits on its client, never during a renewal (a renewal is not
-    cut midway; an end from outside takes effect after it)."""
+    Its idle deadline runs while it waits on its client, never during a renewal (a renewal is
+    not cut midway; an end from outside takes effect after it). A renewal only notes when it
+    ended; one timer a stream (``_check``) compares that with the deadline when it falls due
+    and sets itself again, rather than moving the timer twice a renewal."""
 
     revision = 0
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float) -> None:
         self.loop = loop
         self.idle_s = idle_s
-        self.deadline: asyncio.Timeout | None = None
+        self.deadline: asyncio.Timeout | None = None  # armed at None: ``_check`` expires it
         self.ended: bytes | None = None  # the last answer of a stream ended from outside
         self.renewing = 0
+        self.quiet_since = loop.time()  # the last renewal's end
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, deadline: asyncio.Timeout) -> None:
+        self.deadline = deadline
+        self.quiet_since = self.loop.time()
+        self._timer = self.loop.call_at(self.quiet_since + self.idle_s, self._check)
+
+    def unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.renewing or now < self.quiet_since + self.idle_s:
+            due = now if self.renewing else self.quiet_since
+            self._timer = self.loop.call_at(due + self.idle_s, self._check)
+            return
+        self._timer = None
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        if self.deadline is not None:
+            self.deadline.reschedule(now)  # wakes the stream's wait at once
 
     def finish(self, line: bytes, *, slow: bool = False) -> None:
         problem = json.loads(line)["object"]  # the watch's ERROR line: its problem
         self.ended = json.dumps(problem, separators=(",", ":")).encode()
-        if self.deadline is not None and not self.renewing:
-            self.deadline.reschedule(self.loop.time())  # wakes the stream's wait at once
+        if not self.renewing:
+            self._expire(self.loop.time())
 
     def begin(self) -> None:
         self.renewing += 1
-        if self.deadline is not None:
-            self.deadline.reschedule(None)
 
     def end(self) -> None:
         self.renewing -= 1
-        if self.deadline is not None and not self.renewing:
-            now = self.loop.time()
-            self.deadline.reschedule(now if self.ended is not None else now + self.idle_s)
+        if not self.renewing:
+            self.quiet_since = now = self.loop.time()
+            if self.ended is not None:
+                self._expire(now)
 
 
 class WireRenewer:
-    """The renewals the connection's protocol reads itself (``app.server.bypass.keepalive``)."""
+    """The renewals the connection's protocol reads itself (``app.server.bypass.keepalive``),
+    run on its stack until one waits (``run_inline``): one context a stream (its renewals
+    are answered one at a time, in order)."""
 
-    def __init__(self, scope: Scope, registry: Registry, stream: Stream) -> None:
-        self.scope = scope
-        self.registry = registry
+    def __init__(self, answers: Answers, stream: Stream) -> None:
+        self.answers = answers
         self.stream = stream
+        self.context = contextvars.copy_context()
 
-    async def renew(self, data: bytes, arrived: float) -> bytes | None:
-        stream = self.stream
-        if stream.ended is not None:
+    def renew(self, data: bytes, arrived: float) -> bytes | Waiting[bytes | None] | None:
+        if self.stream.ended is not None:
             return None
+        return run_inline(self._renew(data, arrived), self.context, self.stream.loop)
+
+    async def _renew(self, data: bytes, arrived: float) -> bytes | None:
+        stream = self.stream
         stream.begin()
         try:
-            answer = await renewal_answer(self.scope, self.registry, data, arrived)
+            answer = await self.answers.answer(data, arrived)
         finally:
             stream.end()
         return None if stream.ended is not None else answer
@@ -136,13 +169,14 @@ class KeepAlive:
         registry: Registry = state.registry
         loop = asyncio.get_running_loop()
         stream = Stream(loop, idle_s)
+        answers = Answers(scope, registry)
         state.tokens.hold(stream, scope.get("state", {}).get(CREDENTIAL))
         try:
-            async with asyncio.timeout_at(loop.time() + idle_s) as deadline:
-                stream.deadline = deadline
+            async with asyncio.timeout_at(None) as deadline:
+                stream.watch(deadline)
                 wire = scope.get("extensions", {}).get(EXTENSION)
                 if wire is not None:  # the protocol reads renewals itself from now on
-                    wire["renewer"] = WireRenewer(scope, registry, stream)
+                    wire["renewer"] = WireRenewer(answers, stream)
                 while True:
                     message = await receive()
                     if message["type"] != "websocket.receive":
@@ -151,7 +185,7 @@ class KeepAlive:
                     stream.begin()
                     try:
                         data = message.get("text") or message.get("bytes")
-                        answer = await renewal_answer(scope, registry, data, arrived)
+                        answer = await answers.answer(data, arrived)
                     finally:
                         stream.end()
                     if stream.ended is not None:
@@ -166,6 +200,8 @@ class KeepAlive:
                 return
         except OSError:
             return  # the client is gone (uvicorn's ClientDisconnected)
+        finally:
+            stream.unwatch()
         assert stream.ended is not None
         try:
             await send({"type": "websocket.send", "text": stream.ended.decode()})

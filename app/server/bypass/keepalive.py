@@ -6,16 +6,18 @@ the limit, the idle deadline, revocation) and then, when the connection's protoc
 :class:`KeepAliveWire`, hands it a :class:`Renewer` (the ASGI extension ``keepalive.wire``).
 From then on each renewal is read from the connection's bytes here, without uvicorn's and
 ``websockets``' per-message machinery (the frame parser's generator, an ``asyncio.Queue``, the
-ASGI ``receive``/``send`` hop), answered by the same :func:`renewal_answer` the route uses,
-and written as one unmasked text frame in one write. That took the stream's own share of a
-renewal from about 100 µs to a few tens (``docs/benchmarks.md``).
+ASGI ``receive``/``send`` hop), answered by the same :class:`Answers` the route uses, and
+written as one unmasked text frame. A renewal runs on the protocol's stack until it first
+waits (``inline.run_inline``: on SQLite it never does, so no task a renewal); the answers of
+one read go out in one write. That took the stream's own share of a renewal from about 100 µs
+to a few tens (``docs/benchmarks.md``).
 
 Only a whole, final, masked text frame of at most ``FAST_MAX`` bytes is read here. A control
 frame (ping, pong, close) goes to uvicorn's protocol as it is, at a frame boundary, so its
 parser's state stays right; anything else (a fragmented message, a binary or larger frame)
 turns the fast path off for the connection, and the route's loop answers from then on.
-Renewals are answered one at a time, in order; a client that stops reading its answers is
-cut off past ``WRITE_LIMIT`` bytes unread.
+Renewals are answered one at a time, in order (one that waits holds the next ones back); a
+client that stops reading its answers is cut off past ``WRITE_LIMIT`` bytes unread.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from app.core.schemas import GROUP_ID_PATTERN, HeartbeatsRequest
 from app.registry import Registry
 from app.security.auth import check_scope
 from app.server.bypass.fastpath import heartbeats_json
+from app.server.bypass.inline import Waiting
 from app.store import Unavailable
 from app.store.lease_clock import ARRIVED, IN_FLIGHT
 
@@ -67,31 +70,55 @@ def parse_renewal(data: Any) -> tuple[str, HeartbeatsRequest]:
     return gid, body
 
 
-async def renewal_answer(scope: Scope, registry: Registry, data: Any, arrived: float) -> bytes:
-    """One renewal's answer: the REST batch heartbeat's body, or its problem+json."""
-    gid = "-"
-    try:
+class Answers:
+    """One stream's renewals answered: the REST batch heartbeat's body, or its problem+json.
+    A node sends the same message every interval, so the last one read is kept parsed (its
+    bytes compared, nothing else reused: the scope is checked and the leases renewed each
+    time), and the ``renewed`` counter's child is looked up once, for the stream."""
+
+    def __init__(self, scope: Scope, registry: Registry) -> None:
+        self.scope = scope
+        self.registry = registry
+        self._last: tuple[Any, str, HeartbeatsRequest] | None = None
+        self._renewed = registry.metrics.keepalive_renewals.labels("renewed")
+
+    def parse(self, data: Any) -> tuple[str, HeartbeatsRequest]:
+        last = self._last
+        if last is not None and last[0] == data:
+            return last[1], last[2]
         gid, body = parse_renewal(data)
-        check_scope(scope, gid, "the group")
-        ARRIVED.set(arrived)  # judged at its arrival, held for the sweeper (lease_clock.py)
-        token = IN_FLIGHT.begin(arrived)
+        self._last = (data, gid, body)
+        return gid, body
+
+    async def answer(self, data: Any, arrived: float) -> bytes:
+        """One renewal's answer, judged at ``arrived`` and held in flight for the sweeper."""
+        gid = "-"
         try:
-            renewed = await registry.renew_agents(gid, body.engine_id, body.ranks)
-        finally:
-            IN_FLIGHT.end(token)
-        registry.metrics.keepalive_renewals.labels("renewed").inc()
-        return heartbeats_json(renewed)
-    except (RegistryError, Unavailable) as exc:
-        problem = at_edge(exc)
-        registry.metrics.keepalive_renewals.labels(problem.code).inc()
-        where = {"path": f"/tp-groups/{gid}/engine/agents/heartbeat", "app": scope.get("app")}
-        return problem_answer(problem, where)[2]
+            gid, body = self.parse(data)
+            check_scope(self.scope, gid, "the group")
+            ARRIVED.set(arrived)  # judged at its arrival (lease_clock.py)
+            token = IN_FLIGHT.begin(arrived)
+            try:
+                renewed = await self.registry.renew_agents(gid, body.engine_id, body.ranks)
+            finally:
+                IN_FLIGHT.end(token)
+            self._renewed.inc()
+            return heartbeats_json(renewed)
+        except (RegistryError, Unavailable) as exc:
+            problem = at_edge(exc)
+            self.registry.metrics.keepalive_renewals.labels(problem.code).inc()
+            where = {
+                "path": f"/tp-groups/{gid}/engine/agents/heartbeat",
+                "app": self.scope.get("app"),
+            }
+            return problem_answer(problem, where)[2]
 
 
 class Renewer(Protocol):
-    """What the route hands the protocol: a renewal's answer (``None``: the stream ended)."""
+    """What the route hands the protocol: a renewal's answer (``None``: the stream ended), at
+    once where it needed no wait, else the task that finishes it (``inline.run_inline``)."""
 
-    async def renew(self, data: bytes, arrived: float) -> bytes | None: ...
+    def renew(self, data: bytes, arrived: float) -> bytes | Waiting[bytes | None] | None: ...
 
 
 def text_frame(payload: bytes) -> bytes:

@@ -13,12 +13,8 @@ from typing import Any
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.speedups import apply_mask  # websockets' C mask (uvicorn[standard])
 
-from app.server.bypass.keepalive import (
-    EXTENSION,
-    WRITE_LIMIT,
-    Renewer,
-    text_frame,
-)
+from app.server.bypass.inline import Waiting
+from app.server.bypass.keepalive import EXTENSION, WRITE_LIMIT, Renewer, text_frame
 
 log = logging.getLogger("app")
 
@@ -50,6 +46,7 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
             super().data_received(data)
             return
         buf = self._buffer + data if self._buffer else data
+        out: list[bytes] = []  # the answers of this read, written at once, in order
         pos, end = 0, len(buf)
         while end - pos >= 2:
             b0, b1 = buf[pos], buf[pos + 1]
@@ -61,6 +58,7 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
             if b1 & 0x80 == 0 or length == 127 or (b0 != 0x81 and not 0x88 <= b0 <= 0x8A):
                 self._slow = True  # not for this path: uvicorn's reads the rest
                 self._buffer = b""
+                self._flush(out)
                 super().data_received(buf[pos:])
                 return
             if end - pos < head + length:
@@ -68,6 +66,7 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
             start = pos + head
             pos = start + length
             if b0 != 0x81:  # a ping, pong or close: uvicorn's protocol, as it is
+                self._flush(out)  # the answers before it go first
                 super().data_received(buf[start - head : pos])
                 if self._renewer() is None:
                     self._buffer = b""
@@ -75,42 +74,56 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
                         super().data_received(buf[pos:])
                     return
                 continue
-            self._take(renewer, apply_mask(buf[start:pos], buf[start - 4 : start]))
+            payload = apply_mask(buf[start:pos], buf[start - 4 : start])
+            if self._busy:  # a renewal waits (a task): this one after it, in order
+                if self._waiting is None:
+                    self._waiting = deque()
+                self._waiting.append((payload, time.time()))
+            else:
+                self._run(renewer, payload, time.time(), out)
         self._buffer = buf[pos:]
+        self._flush(out)
 
-    def _take(self, renewer: Renewer, payload: bytes) -> None:
-        arrived = time.time()
-        if self._busy:
-            if self._waiting is None:
-                self._waiting = deque()
-            self._waiting.append((payload, arrived))
+    def _run(self, renewer: Renewer, payload: bytes, arrived: float, out: list[bytes]) -> None:
+        """One renewal: its answer added to ``out`` when it needed no wait, else its task."""
+        try:
+            got = renewer.renew(payload, arrived)
+        except Exception:
+            log.exception("keep-alive renewal failed")
+            self.transport.close()
             return
-        self._start(renewer, payload, arrived)
+        if isinstance(got, Waiting):
+            self._busy = True
+            self.tasks.add(got.task)  # type: ignore[arg-type]  # uvicorn's set of the tasks
+            got.task.add_done_callback(self._done)
+        elif got is not None:
+            out.append(text_frame(got))
 
-    def _start(self, renewer: Renewer, payload: bytes, arrived: float) -> None:
-        self._busy = True
-        task = self.loop.create_task(renewer.renew(payload, arrived))
-        self.tasks.add(task)  # type: ignore[arg-type]  # uvicorn's set of the server's tasks
-        task.add_done_callback(self._done)
+    def _flush(self, out: list[bytes]) -> None:
+        if not out:
+            return
+        transport = self.transport
+        if not (self.close_sent or transport.is_closing()):
+            transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if transport.get_write_buffer_size() > WRITE_LIMIT:
+                log.warning("keep-alive stream cut off: its client reads no answers")
+                transport.close()
+        out.clear()
 
     def _done(self, task: asyncio.Task[bytes | None]) -> None:
         self.tasks.discard(task)
         self._busy = False
-        transport = self.transport
         if task.cancelled():
             return
         if task.exception() is not None:
             log.error("keep-alive renewal failed", exc_info=task.exception())
-            transport.close()
+            self.transport.close()
             return
         answer = task.result()
-        if answer is None or self.close_sent or transport.is_closing():
-            return
-        transport.write(text_frame(answer))
-        if transport.get_write_buffer_size() > WRITE_LIMIT:
-            log.warning("keep-alive stream cut off: its client reads no answers")
-            transport.close()
-            return
-        renewer = self._renewer()
-        if self._waiting and renewer is not None:
-            self._start(renewer, *self._waiting.popleft())
+        out = [] if answer is None else [text_frame(answer)]
+        renewer = self._wire  # the renewals read before a switch to uvicorn's path, too
+        while self._waiting and not self._busy and renewer is not None:
+            if self.close_sent or self.transport.is_closing():
+                break
+            self._run(renewer, *self._waiting.popleft(), out)
+        self._flush(out)
