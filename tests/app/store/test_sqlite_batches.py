@@ -161,11 +161,19 @@ def test_a_batch_larger_than_one_statement_is_written_whole(tmp_path: Path) -> N
     async def main() -> None:
         store = SqliteStore(tmp_path / "r.db", timeout_s=5.0)
         await store.start()
-        # 300 rows: statements of 256, 32, 8 and 4 rows; then 299 deleted in one batch.
-        await _in_one_batch(store, [[Put(f"k/{i:04d}", b"v")] for i in range(300)])
-        await _in_one_batch(store, [[Delete(f"k/{i:04d}")] for i in range(1, 300)])
+        # 1,100 rows: a statement of 1,024 and one of 76 padded to 80 with copies of the last
+        # row; then 1,099 deleted in one batch (1,024, then 75 padded to 80), the last one
+        # put again over its copies.
+        await _in_one_batch(store, [[Put(f"k/{i:04d}", b"v")] for i in range(1100)])
+        deletes: list[list[Put | Delete]] = [[Delete(f"k/{i:04d}")] for i in range(1, 1100)]
+        await _in_one_batch(store, [*deletes, [Put("k/1099", b"w")]])
         await store.close()
-        assert [e.key for e in await _reloaded(tmp_path / "r.db", "k/")] == ["k/0000"]
+        entries = await _reloaded(tmp_path / "r.db", "k/")
+        assert [(e.key, e.value) for e in entries] == [("k/0000", b"v"), ("k/1099", b"w")]
+        with contextlib.closing(sqlite3.connect(tmp_path / "r.db")) as conn:
+            assert conn.execute("SELECT count(*) FROM kv").fetchone() == (2,)
+            revision = conn.execute("SELECT v FROM meta WHERE k='revision'").fetchone()[0]
+        assert revision == 2200  # one revision a write, the last one's in the file
 
     asyncio.run(main())
 
