@@ -106,7 +106,7 @@ class Reaper:
         else:
             lease.ttl_s, lease.expires_at, lease.grace = ttl_s, expires_at, 0.0
         heapq.heappush(self._due, (expires_at, lease_id))
-        if len(self._due) > 4 * len(self.leases) + 1024:  # renewals leave stale items
+        if len(self._due) > 2 * len(self.leases) + 1024:  # renewals leave stale items
             self._due = expiry_heap(self.leases)
 
     def forget(self, lease_id: int) -> None:
