@@ -168,6 +168,31 @@ def loop_watch() -> LoopWatch:
     return watch
 
 
+class Credits:
+    """The running loop's stalls credited to one set of leases, each stall once."""
+
+    def __init__(self) -> None:
+        self.watch: LoopWatch | None = None  # the loop's (``loop_watch``), kept
+        self.seen = -1  # the watch's stalls credited already; -1: none looked at yet
+
+    def due(self, now: float) -> bool:
+        """Whether a stall may be owed at wall time ``now`` (then ``credit``)."""
+        watch = self.watch
+        return watch is None or watch.late(now) or self.seen != watch.count
+
+    def credit(self, leases: dict[int, StoredLease]) -> bool:
+        """Credit the stalls not yet credited to every lease live when each began; whether
+        any lease moved."""
+        watch = self.watch
+        if watch is None or watch.loop.is_closed():
+            watch = self.watch = loop_watch()
+        watch.note()
+        if self.seen == watch.count:
+            return False
+        seen, self.seen = self.seen, watch.count
+        return seen >= 0 and any([extend(leases, *stall) for stall in watch.since(seen)])
+
+
 def extend(leases: dict[int, StoredLease], began: float, seconds: float) -> int:
     """Every lease live at ``began`` gets ``seconds`` more (within ``CLOCK.grace_s`` since its
     last renewal); how many moved."""

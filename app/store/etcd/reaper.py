@@ -38,11 +38,9 @@ from collections.abc import Awaitable, Callable
 from app.store.lease_clock import (
     ARRIVED,
     CLOCK,
-    LoopWatch,
+    Credits,
     StoredLease,
     expiry_heap,
-    extend,
-    loop_watch,
     sweep_cutoff,
 )
 
@@ -83,8 +81,7 @@ class Reaper:
         self.interval_s = interval_s
         self.leases: dict[int, StoredLease] = {}
         self._due: list[tuple[float, int]] = []  # heap; stale items are skipped
-        self._watch: LoopWatch | None = None
-        self._stalls_seen = -1
+        self._credits = Credits()  # this loop's stalls, credited to the leases followed
         self._task: asyncio.Task[None] | None = None
         self.ended = 0  # leases revoked at their logical expiry
         self.graced = False  # a stall was ever credited (readers then add ``grace``)
@@ -119,15 +116,9 @@ class Reaper:
 
     def credit(self) -> None:
         """Credit the loop's stalls not yet credited to every lease followed."""
-        watch = self._watch
-        if watch is None or watch.loop.is_closed():
-            watch = self._watch = loop_watch()
-        watch.note()
-        if self._stalls_seen != watch.count:
-            seen, self._stalls_seen = self._stalls_seen, watch.count
-            if seen >= 0 and any([extend(self.leases, *s) for s in watch.since(seen)]):
-                self._due = expiry_heap(self.leases)
-                self.graced = True
+        if self._credits.credit(self.leases):
+            self._due = expiry_heap(self.leases)
+            self.graced = True
 
     def overdue(self, lease_id: int) -> bool:
         """Whether a renewal arriving now (``ARRIVED``) comes after the lease's time ran out,

@@ -10,14 +10,7 @@ import heapq
 import time
 
 from app.store.base import Lease
-from app.store.lease_clock import (
-    ARRIVED,
-    LoopWatch,
-    StoredLease,
-    expiry_heap,
-    extend,
-    loop_watch,
-)
+from app.store.lease_clock import ARRIVED, Credits, StoredLease, expiry_heap
 from app.store.sqlite.pending import Pending
 
 
@@ -27,8 +20,7 @@ class LeasesMixin:
     _dirty: set[int]  # leases renewed since their expiry was last written
     _next_lease: int
     _pending: Pending
-    _stalls_seen: int  # the loop's stalls credited to the leases; -1: none looked at yet
-    _watch: LoopWatch | None = None  # the loop's (lease_clock.loop_watch), kept
+    _credits: Credits  # the loop's stalls credited to the leases
 
     async def _usable(self) -> None:
         raise NotImplementedError
@@ -36,23 +28,17 @@ class LeasesMixin:
     def _now(self) -> float:
         """The instant leases are judged at: now, or the request's arrival (lease_clock.py),
         after any stall of the loop is credited to the leases."""
-        now, watch = time.time(), self._watch
-        if watch is None or watch.late(now) or self._stalls_seen != watch.count:
+        now = time.time()
+        if self._credits.due(now):
             self._credit()
         arrived = ARRIVED.get()
         return now if arrived is None else min(now, arrived)
 
     def _credit(self) -> None:
         """Credit the loop's stalls not yet credited to every live lease."""
-        watch = self._watch
-        if watch is None or watch.loop.is_closed():
-            watch = self._watch = loop_watch()
-        watch.note()
-        if self._stalls_seen != watch.count:
-            seen, self._stalls_seen = self._stalls_seen, watch.count
-            if seen >= 0 and any([extend(self._leases, *s) for s in watch.since(seen)]):
-                self._expiry = expiry_heap(self._leases)
-                self._dirty.update(self._leases)
+        if self._credits.credit(self._leases):
+            self._expiry = expiry_heap(self._leases)
+            self._dirty.update(self._leases)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
         await self._usable()

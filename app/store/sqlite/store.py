@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, Any
 from sortedcontainers import SortedList
 
 from app.store.base import Compare, Entry, Op, Put, Snapshot, Store, TxnResult, Unavailable
-from app.store.lease_clock import StoredLease, expiry_heap, extend, last_served, sweep_cutoff
+from app.store.lease_clock import (
+    Credits,
+    StoredLease,
+    expiry_heap,
+    extend,
+    last_served,
+    sweep_cutoff,
+)
 from app.store.sqlite.file import Change, FileFailure, FileLocked, Loaded, SqliteFile
 from app.store.sqlite.history import History
 from app.store.sqlite.leases import LeasesMixin
@@ -85,7 +92,7 @@ class SqliteStore(LeasesMixin, Store):
         self._history = History(history)
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
-        self._stalls_seen = -1  # the loop's stalls credited to the leases (lease_clock.py)
+        self._credits = Credits()  # the loop's stalls credited to the leases (lease_clock.py)
 
     # -- loading and failures --------------------------------------------------------------
 
