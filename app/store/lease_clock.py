@@ -2,8 +2,8 @@
 registry's own stalls.
 
 A lapse must mean the rank stopped renewing, never that the registry was too slow to serve
-its renewal. Two rules make it so on the embedded store (etcd gives the second itself: a new
-leader gives every lease a fresh ttl):
+its renewal. Two rules make it so, on the embedded store and on etcd (where etcd keeps each
+lease ``grace_s`` past its ttl and the replica renewing it applies them: ``etcd/reaper.py``):
 
 - **Arrival.** The edge stamps each request when its head is read (``ARRIVED``, a context
   variable of the request's task) and holds heartbeats in ``IN_FLIGHT`` until answered. A
