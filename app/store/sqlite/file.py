@@ -5,7 +5,8 @@ The store (``app.store.sqlite.store``) keeps every entry and lease in memory and
 transaction there; this module only makes those decisions durable. A batch of changes from
 many requests is written in one ``BEGIN IMMEDIATE`` … ``COMMIT`` (group commit): once it
 returns, the changes are in the WAL file, which survives a ``kill -9`` (``synchronous=NORMAL``;
-``FULL`` also survives power loss, at one fsync per batch).
+``FULL`` also survives power loss, at one fsync per batch). The WAL is copied into the file
+by a thread of its own (``app.store.sqlite.checkpoint``), not inside a commit.
 
 Failures are classified here so that the operator reads the cause, not SQLite's last words:
 a full disk, a read-only file system, a file deleted or replaced under the running process,
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.store.base import Entry
+from app.store.sqlite.checkpoint import BACKSTOP_PAGES, Checkpointer
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
@@ -99,6 +101,7 @@ class SqliteFile:
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
         self._identity: tuple[int, int] | None = None
+        self.checkpointer = Checkpointer(path, timeout_s)
 
     # -- opening ---------------------------------------------------------------------------
 
@@ -138,6 +141,8 @@ class SqliteFile:
             self._lock()
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={self.synchronous}")
+            # The WAL is checkpointed by the checkpoint thread; SQLite's own only past this.
+            conn.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
             conn.execute(f"PRAGMA busy_timeout={int(self.timeout_s * 1000)}")
             conn.executescript(_SCHEMA)
             conn.execute("BEGIN")
@@ -225,6 +230,7 @@ class SqliteFile:
             conn.execute(_PUT_META, (last.revision, last.next_lease))
 
         self._transaction(write)
+        self.checkpointer.wrote(sum(len(e.value) + _ROW_BYTES for e in kv.values() if e))
 
     def probe(self) -> None:
         """A real write, so that readiness fails when writes would (full or frozen disk)."""
@@ -262,6 +268,7 @@ class SqliteFile:
             self._conn = None
 
     def close(self) -> None:
+        self.checkpointer.stop()
         self.close_connection()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -283,6 +290,7 @@ _PUT_META = (
     "WHERE k IN ('revision', 'next_lease')"
 )
 _CHUNK = 1024
+_ROW_BYTES = 64  # a row's key, revision, lease and b-tree cell, about, beside its value
 # The connection's prepared statements kept: 4 kinds of rows, 64 sizes each (``_padded``).
 CACHED_STATEMENTS = 512
 
