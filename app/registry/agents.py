@@ -19,7 +19,7 @@ from app.core.schemas import (
 )
 from app.core.timefmt import utc_iso
 from app.registry import keys
-from app.registry.records import MAX_ATTEMPTS, AgentRecord
+from app.registry.records import MAX_ATTEMPTS, AgentRecord, trusted
 from app.registry.renewals import RenewalsMixin
 from app.security.credentials import ACTOR
 from app.store import Compare, Delete, Put
@@ -75,17 +75,20 @@ class AgentsMixin(RenewalsMixin):
 
     @staticmethod
     def _agent_view_at(record: AgentRecord, expires_at: str) -> Agent:
-        return Agent.model_construct(
-            engine_id=record.engine_id,
-            generation=record.generation,
-            rank=record.rank,
-            agent_name=record.agent_name,
-            host=record.host,
-            kv=record.kv,
-            ttl_s=record.ttl_s,
-            registered_at=record.registered_at,
-            registered_by=record.registered_by,
-            expires_at=expires_at,
+        return trusted(
+            Agent,
+            {
+                "engine_id": record.engine_id,
+                "generation": record.generation,
+                "rank": record.rank,
+                "agent_name": record.agent_name,
+                "host": record.host,
+                "kv": record.kv,
+                "ttl_s": record.ttl_s,
+                "registered_at": record.registered_at,
+                "registered_by": record.registered_by,
+                "expires_at": expires_at,
+            },
         )
 
     async def heartbeat(self, gid: str, rank: int, engine_id: str) -> Heartbeat:

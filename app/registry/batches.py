@@ -16,7 +16,7 @@ from app.core.timefmt import utc_iso
 from app.registry import keys
 from app.registry.agents import AgentsMixin, _check_reachable
 from app.registry.base import outside_group
-from app.registry.records import MAX_ATTEMPTS, AgentRecord
+from app.registry.records import MAX_ATTEMPTS, AgentRecord, trusted
 from app.security.credentials import ACTOR
 from app.store import Compare, Put
 
@@ -51,18 +51,24 @@ class BatchesMixin(AgentsMixin):
             lease = await self.store.grant_lease(ttl_s)
             now = time.time()
             actor = ACTOR.get()
+            at = utc_iso(now)
+            # Built from the validated request as is (``trusted``): validating it again
+            # would only copy it.
             records = [
-                AgentRecord(
-                    rank=item.rank,
-                    engine_id=item.engine_id,
-                    generation=engine.generation,
-                    agent_name=item.agent_name,
-                    host=item.host,
-                    kv=item.kv.model_dump(),
-                    ttl_s=ttl_s,
-                    registered_at=utc_iso(now),
-                    lease=lease.id,
-                    registered_by=actor,
+                trusted(
+                    AgentRecord,
+                    {
+                        "rank": item.rank,
+                        "engine_id": item.engine_id,
+                        "generation": engine.generation,
+                        "agent_name": item.agent_name,
+                        "host": item.host,
+                        "ttl_s": ttl_s,
+                        "registered_at": at,
+                        "lease": lease.id,
+                        "registered_by": actor,
+                        "kv": item.kv.model_dump(),
+                    },
                 )
                 for item in req.agents
             ]

@@ -5,7 +5,10 @@ every insertion (its speed there is measured in bench/, not asserted here)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from pydantic import BaseModel, Field
 
 from app.registry.records import (
     BRIEF_BYTES,
@@ -14,6 +17,7 @@ from app.registry.records import (
     Decoded,
     EngineRecord,
     _Cache,
+    trusted,
 )
 from app.store import Entry
 
@@ -93,3 +97,38 @@ def test_briefs_of_agents_are_kept_apart_from_their_whole_records() -> None:
     assert decoded.brief(moved).lease == 43, "a new version is read again"
     decoded.forget("g", keep_engines=True)
     assert decoded.sizes()[0] == len(e.value), "a relaunch drops the agents' briefs"
+
+
+def test_a_trusted_record_is_the_model_construct_one_and_wrong_fields_are_refused() -> None:
+    """``trusted`` (a launch's records, briefs and answers) builds what ``model_construct``
+    does: equal, the same JSON, the same fields set; values that miss or add a field, and
+    models with aliases or extra fields, are refused rather than built wrong."""
+    values: dict[str, Any] = {
+        "rank": 3,
+        "engine_id": "e-1",
+        "generation": 2,
+        "agent_name": "a-3",
+        "host": "10.0.0.3",
+        "ttl_s": 30,
+        "registered_at": "2026-12-04T03:00:00.000000Z",
+        "lease": 7,
+        "registered_by": None,
+        "kv": {"mem_type": "VRAM", "base_addrs": [1, 2]},
+    }
+    built, reference = trusted(AgentRecord, dict(values)), AgentRecord.model_construct(**values)
+    assert built == reference
+    assert built.model_dump_json() == reference.model_dump_json()
+    assert built.model_fields_set == reference.model_fields_set
+    assert AgentRecord.model_validate_json(built.model_dump_json()) == reference
+    brief = {k: v for k, v in values.items() if k != "kv"}
+    assert trusted(AgentBrief, dict(brief)) == AgentBrief.model_construct(**brief)
+    with pytest.raises(ValueError, match="takes"):
+        trusted(AgentBrief, dict(values))  # kv is not a brief's
+    with pytest.raises(ValueError, match="takes"):
+        trusted(AgentRecord, dict(brief))  # kv missing
+
+    class Aliased(BaseModel):
+        name: str = Field(alias="n")
+
+    with pytest.raises(ValueError, match="model_construct"):
+        trusted(Aliased, {"name": "x"})
