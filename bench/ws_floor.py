@@ -27,7 +27,7 @@ from typing import cast
 import uvloop
 from websockets.speedups import apply_mask
 
-from app.server.bypass.keepalive import text_frame
+from app.server.bypass.keepalive import pong_frame, text_frame
 from bench.common import HOST, process
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455, section 1.3
@@ -52,11 +52,6 @@ def upgrade_answer(head: bytes) -> bytes | None:
                 + b"\r\n\r\n"
             )
     return None
-
-
-def pong_frame(ping: bytes) -> bytes:
-    """A server's pong to a ping's (unmasked, at most 125-byte) payload."""
-    return b"\x8a" + bytes((len(ping),)) + ping
 
 
 class FloorProtocol(asyncio.Protocol):

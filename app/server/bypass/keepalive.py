@@ -12,10 +12,12 @@ waits (``inline.run_inline``: on SQLite it never does, so no task a renewal); th
 one read go out in one write. That took the stream's own share of a renewal from about 100 µs
 to a few tens (``docs/benchmarks.md``).
 
-Only a whole, final, masked text frame of at most ``FAST_MAX`` bytes is read here. A control
-frame (ping, pong, close) goes to uvicorn's protocol as it is, at a frame boundary, so its
-parser's state stays right; anything else (a fragmented message, a binary or larger frame)
-turns the fast path off for the connection, and the route's loop answers from then on.
+Only a whole, final, masked text frame of at most ``FAST_MAX`` bytes is read here, and a ping
+(a client's keep-alive, every 20 s from ``websockets``: answered with its pong, in order). A
+pong or a close goes to uvicorn's protocol as it is, at a frame boundary, so its parser's
+state (the server's own pings) stays right; anything else (a fragmented message, a binary or
+larger frame) turns the fast path off for the connection, and the route's loop answers from
+then on.
 Renewals are answered one at a time, in order (one that waits holds the next ones back); a
 client that stops reading its answers is cut off past ``WRITE_LIMIT`` bytes unread.
 """
@@ -119,6 +121,11 @@ class Renewer(Protocol):
     once where it needed no wait, else the task that finishes it (``inline.run_inline``)."""
 
     def renew(self, data: bytes, arrived: float) -> bytes | Waiting[bytes | None] | None: ...
+
+
+def pong_frame(ping: bytes) -> bytes:
+    """A server's pong to a ping's (at most 125-byte) payload (RFC 6455 5.5.3)."""
+    return b"\x8a" + bytes((len(ping),)) + ping
 
 
 def text_frame(payload: bytes) -> bytes:

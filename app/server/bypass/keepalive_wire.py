@@ -14,7 +14,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from websockets.speedups import apply_mask  # websockets' C mask (uvicorn[standard])
 
 from app.server.bypass.inline import Waiting
-from app.server.bypass.keepalive import EXTENSION, WRITE_LIMIT, Renewer, text_frame
+from app.server.bypass.keepalive import EXTENSION, WRITE_LIMIT, Renewer, pong_frame, text_frame
 
 log = logging.getLogger("app")
 
@@ -25,6 +25,19 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
     _busy = False  # a renewal is being answered
     _waiting: deque[tuple[bytes, float]] | None = None
     _wire: Renewer | None = None  # the route's, once the stream is open
+    _heard = 0.0  # loop time of the last renewal read here
+
+    def send_keepalive_ping(self) -> None:
+        """uvicorn's keep-alive ping (``--ws-ping-interval``), only when the stream is quiet:
+        a renewal read within the interval shows the client alive as a pong would, so the
+        ping waits until the interval has passed since it (at the fleet's pace, every 10 s,
+        none is sent: a ping and its pong cost about a renewal's CPU)."""
+        interval = self.ping_interval
+        quiet = self.loop.time() - self._heard
+        if self._wire is not None and interval and quiet < interval:
+            self.ping_timer = self.loop.call_later(interval - quiet, self.send_keepalive_ping)
+            return
+        super().send_keepalive_ping()
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -65,7 +78,10 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
                 break
             start = pos + head
             pos = start + length
-            if b0 != 0x81:  # a ping, pong or close: uvicorn's protocol, as it is
+            if b0 == 0x89 and length < 126:  # a ping: its pong, in order with the answers
+                out.append(pong_frame(apply_mask(buf[start:pos], buf[start - 4 : start])))
+                continue
+            if b0 != 0x81:  # a pong or a close (a ping's state, too): uvicorn's protocol
                 self._flush(out)  # the answers before it go first
                 super().data_received(buf[start - head : pos])
                 if self._renewer() is None:
@@ -75,6 +91,7 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
                     return
                 continue
             payload = apply_mask(buf[start:pos], buf[start - 4 : start])
+            self._heard = self.loop.time()
             if self._busy:  # a renewal waits (a task): this one after it, in order
                 if self._waiting is None:
                     self._waiting = deque()
