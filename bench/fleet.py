@@ -42,7 +42,7 @@ from bench.common import (
     wait_http,
     wait_quiet,
 )
-from bench.fleet_load import TP, Fleet, fleet_run
+from bench.fleet_load import CONNECTIONS, TP, Fleet, fleet_run
 from bench.watch import rss_mib
 from workers.tools.procs import RegistryProcess, free_port
 
@@ -117,12 +117,30 @@ def _restart(registry: RegistryProcess, fleet: Fleet) -> dict[str, Any]:
     }
 
 
+def stream_env(groups: int) -> dict[str, str]:
+    """A registry sized for one keep-alive stream a node (docs/operations.md: the streams
+    above the nodes it serves, the connections above the streams and the REST pool)."""
+    streams = groups + 64
+    return {
+        "REGISTRY_KEEPALIVE_MAX": str(streams),
+        "REGISTRY_MAX_CONNECTIONS": str(max(8192, streams + CONNECTIONS + 1024)),
+    }
+
+
 def one_row(
-    store: str, ranks: int, *, db: Path | None, cluster: Any, quick: bool, log: Path
+    store: str,
+    ranks: int,
+    *,
+    db: Path | None,
+    cluster: Any,
+    quick: bool,
+    log: Path,
+    renew: str = "rest",
 ) -> dict[str, Any]:
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
     warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
-    registry = RegistryProcess(store, host=HOST, log_path=log).start(timeout_s=60)
+    env = stream_env(ranks // TP) if renew == "stream" else {}
+    registry = RegistryProcess(store, host=HOST, log_path=log, env=env).start(timeout_s=60)
     marks: list[float] = []
     seen: dict[str, Any] = {}
 
@@ -154,6 +172,7 @@ def one_row(
                 handshakes_per_s=HANDSHAKES_PER_S,
                 on_window=on_window,
                 after_window=after_window,
+                renew=renew,
             )
         )
     finally:
@@ -166,6 +185,9 @@ def one_row(
     return {
         "ranks": ranks,
         "groups": ranks // TP,
+        "renew": renew,
+        "registry_env": env,
+        "streams": out.get("streams"),
         "blob_bytes": BLOB_BYTES,
         "launch": up,
         "steady": hold,
@@ -227,7 +249,13 @@ def _etcd(tmp: Path) -> Iterator[Any]:
                 os.environ[k] = v
 
 
-def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
+def measure(
+    sizes: list[int],
+    stores: list[str],
+    quick: bool,
+    renews: tuple[str, ...] = ("rest",),
+    ceilings: bool = True,
+) -> dict[str, Any]:
     rows: dict[str, list[dict[str, Any]]] = {}
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as name:
@@ -239,19 +267,25 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                     skipped["etcd"] = why
                     continue
             rows[kind] = []
-            for n in sizes:
+            for n, renew in ((n, r) for n in sizes for r in renews):
                 busy = wait_quiet(0 if quick else QUIET_WAIT_S)
                 load = Path("/proc/loadavg").read_text().split()[:3]
-                say(f"fleet: {kind}, {n} ranks (machine {busy:.0%} busy, load {load})")
-                log = tmp / f"registry-{kind}-{n}.log"
+                say(f"fleet: {kind}, {n} ranks, {renew} (machine {busy:.0%} busy, load {load})")
+                log = tmp / f"registry-{kind}-{n}-{renew}.log"
                 try:
                     if kind == "sqlite":
-                        db = tmp / f"fleet-{n}.db"
+                        db = tmp / f"fleet-{n}-{renew}.db"
                         row = one_row(
-                            f"sqlite:///{db}", n, db=db, cluster=None, quick=quick, log=log
+                            f"sqlite:///{db}",
+                            n,
+                            db=db,
+                            cluster=None,
+                            quick=quick,
+                            log=log,
+                            renew=renew,
                         )
                     else:
-                        with _etcd(tmp / f"etcd-{n}") as cluster:
+                        with _etcd(tmp / f"etcd-{n}-{renew}") as cluster:
                             row = one_row(
                                 cluster.url(f"fleet{n}"),
                                 n,
@@ -259,10 +293,12 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                                 cluster=cluster,
                                 quick=quick,
                                 log=log,
+                                renew=renew,
                             )
                 except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
                     tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
-                    row = {"ranks": n, "failed": f"{type(exc).__name__}: {exc}"[:500], "log": tail}
+                    failed = f"{type(exc).__name__}: {exc}"[:500]
+                    row = {"ranks": n, "renew": renew, "failed": failed, "log": tail}
                 row |= {
                     "busy_before": busy,
                     "load_before": load,
@@ -270,10 +306,12 @@ def measure(sizes: list[int], stores: list[str], quick: bool) -> dict[str, Any]:
                 }
                 say(f"fleet: {kind}, {n} ranks: {json.dumps(row)}")
                 rows[kind].append(row)
-        say("fleet: the client's ceiling (bench.minimal raw)")
-        top = ceiling(max(sizes), quick)
-        say("fleet: the wire path's floor (bench.minimal protocol)")
-        top["protocol"] = ceiling(max(sizes), quick, "protocol")
+        top: dict[str, Any] = {}
+        if ceilings:
+            say("fleet: the client's ceiling (bench.minimal raw)")
+            top = ceiling(max(sizes), quick)
+            say("fleet: the wire path's floor (bench.minimal protocol)")
+            top["protocol"] = ceiling(max(sizes), quick, "protocol")
     return {
         "rows": rows,
         "skipped": skipped,
@@ -295,12 +333,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, short windows")
     parser.add_argument("--ranks", default="", help="comma-separated fleet sizes (ranks)")
     parser.add_argument("--store", default="sqlite,etcd", help="sqlite, etcd or both")
+    parser.add_argument(
+        "--renew",
+        default="rest",
+        help="rest, stream or both (a row each): how nodes renew (bench/fleet_load.py)",
+    )
+    parser.add_argument(
+        "--no-ceiling", action="store_true", help="skip the client's ceiling and the floor"
+    )
     args = parser.parse_args(argv)
+    renews = tuple(r.strip() for r in args.renew.split(",") if r.strip())
+    if not renews or set(renews) - {"rest", "stream"}:
+        parser.error(f"--renew {args.renew!r}: rest, stream or rest,stream")
     sizes = [int(n) for n in args.ranks.split(",") if n.strip()] or (
         [1000, 4000] if args.quick else [1000, 10_000, 100_000]
     )
     stores = [s.strip() for s in args.store.split(",") if s.strip()]
-    print(json.dumps(measure(sizes, stores, args.quick), indent=1))
+    result = measure(sizes, stores, args.quick, renews, ceilings=not args.no_ceiling)
+    print(json.dumps(result, indent=1))
     return 0
 
 

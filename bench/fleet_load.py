@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import summary_ms
+from bench.fleet_stream import NodeStream, stream_url
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 from registry_client.backoff import Backoff
@@ -177,10 +178,17 @@ async def _beat(
     phase: float,
     stop: asyncio.Event,
     again: Callable[[], dict[str, Any]] | None = None,
+    streams: list[NodeStream] | None = None,
 ) -> None:
     """Renew every ``HEARTBEAT_S``; after a 404 (the lease lapsed) register again with
-    ``again()``'s body, as ``BatchPublication`` does."""
+    ``again()``'s body, as ``BatchPublication`` does. ``streams`` (``renew="stream"``): over
+    the node's keep-alive stream, appended there (REST where it has none: ``NodeStream``)."""
     run = route.run
+    stream = None
+    if streams is not None:
+        where = f"http://{route.pool.host}:{route.pool.port}"
+        stream = NodeStream(stream_url(where), gid, eid, list(range(TP)))
+        streams.append(stream)
     beat = RawPool.prepare(
         "POST",
         f"/tp-groups/{gid}/engine/agents/heartbeat",
@@ -192,15 +200,18 @@ async def _beat(
         # made a task and a timer a beat, the client's largest cost at 12,500 groups.
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         sent = time.perf_counter()
-        try:
-            status, _ = await route.send(beat, HEARTBEAT_S)
-        except OSError:
-            status = 0  # the registry unreachable (its restart): the next beat tries again
+        status = await stream.renew(HEARTBEAT_S) if stream is not None else None
+        kind = "keep-alive" if status is not None else "heartbeat"
+        if status is None:
+            try:
+                status, _ = await route.send(beat, HEARTBEAT_S)
+            except OSError:
+                status = 0  # the registry unreachable (its restart): the next beat tries again
         done = time.perf_counter()
         if run.window[0] <= sent < run.window[1]:
             run.beats.append(done - sent)
             run.lags.append(sent - due)
-        run.count("heartbeat", status, sent)
+        run.count(kind, status, sent)
         if status == 404 and again is not None:
             path = f"/tp-groups/{gid}/engine/agents"
             status, _ = await _put(route.pool, path, again(), run)
@@ -229,6 +240,7 @@ async def _group(
     gate: asyncio.Semaphore,
     stop: asyncio.Event,
     beats: list[asyncio.Task[None]],
+    streams: list[NodeStream] | None,
 ) -> None:
     role = "prefill" if gid.startswith("prefill") else "decode"
     pool, run = route.pool, route.run
@@ -251,7 +263,7 @@ async def _group(
         fleet.engines[gid] = eid
     phase = random.Random(index).uniform(0, HEARTBEAT_S)
     again = lambda: {"agents": fleet.agents(index, eid)}  # noqa: E731
-    beats.append(asyncio.create_task(_beat(route, gid, eid, phase, stop, again)))
+    beats.append(asyncio.create_task(_beat(route, gid, eid, phase, stop, again, streams)))
 
 
 def _pool(url: str) -> RawPool:
@@ -285,11 +297,18 @@ async def fleet_run(
     after_window: Callable[[], dict[str, Any]] | None = None,
     launch: bool = True,
     run: Run | None = None,
+    renew: str = "rest",
 ) -> dict[str, Any]:
     """Launch (unless ``launch`` is False: ``fleet.engines`` is given), heartbeats, the
     window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends.
     ``url``: one registry, or its replicas (the module's doc); ``run``: what is seen goes
-    there (``after_window`` may read it)."""
+    there (``after_window`` may read it). ``renew``: ``rest`` (``POST …/heartbeat``) or
+    ``stream`` (one keep-alive stream a node, ``bench/fleet_stream.py``; one registry)."""
+    if renew not in ("rest", "stream"):
+        raise ValueError(f"renew={renew!r}: 'rest' or 'stream'")
+    if renew == "stream" and not isinstance(url, str):
+        raise ValueError("renew='stream' takes one registry url (a node's stream has no Route)")
+    streams: list[NodeStream] | None = [] if renew == "stream" else None
     run, stop = run or Run(), asyncio.Event()
     gate = asyncio.Semaphore(IN_FLIGHT)
     beats: list[asyncio.Task[None]] = []
@@ -301,7 +320,7 @@ async def fleet_run(
         if launch:
             await asyncio.gather(
                 *(
-                    _group(Route(pools, run, i), fleet, i, g, gate, stop, beats)
+                    _group(Route(pools, run, i), fleet, i, g, gate, stop, beats, streams)
                     for i, g in enumerate(fleet.groups)
                 )
             )
@@ -319,7 +338,9 @@ async def fleet_run(
             rng = random.Random(3)
             beats += [
                 asyncio.create_task(
-                    _beat(Route(pools, run, i), g, e, rng.uniform(0, HEARTBEAT_S), stop)
+                    _beat(
+                        Route(pools, run, i), g, e, rng.uniform(0, HEARTBEAT_S), stop, None, streams
+                    )
                 )
                 for i, (g, e) in enumerate(fleet.engines.items())
             ]
@@ -350,6 +371,8 @@ async def fleet_run(
     finally:
         for pool in pools:
             pool.close()
+        if streams:
+            await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
     out["steady"] = {
         "window_s": window_s,
         "heartbeat": summary_ms(run.beats),
@@ -361,4 +384,14 @@ async def fleet_run(
         "client_cpu_share": round(client / window_s, 3),
     }
     out["after_window_statuses"] = run.after
+    if streams is not None:
+        refused: dict[str, int] = {}
+        for s in streams:
+            if s.refused is not None:
+                refused[str(s.refused)] = refused.get(str(s.refused), 0) + 1
+        out["streams"] = {
+            "nodes": len(streams),
+            "opened": sum(s.opened for s in streams),
+            "refused_now": refused,
+        }
     return out
