@@ -86,7 +86,8 @@ class Pending:
         commit (in the same turn of the loop, not one callback later), and one watchdog timer
         ends the waits past their deadline (within ``_period``): no timer per wait."""
         if not fut.done():
-            waiter = asyncio.get_running_loop().create_future()
+            loop = fut.get_loop()  # the commit's: no get_running_loop() (a getpid() each)
+            waiter = loop.create_future()
             waiters = self._waiters.get(fut)
             if waiters is None:
                 self._waiters[fut] = [waiter]
@@ -96,7 +97,7 @@ class Pending:
                 (time.monotonic() + self.timeout_s if deadline is None else deadline, waiter)
             )
             if self._watchdog is None:
-                self._watchdog = asyncio.get_running_loop().call_later(self._period, self._expire)
+                self._watchdog = loop.call_later(self._period, self._expire)
             try:
                 await waiter
             except TimeoutError:

@@ -54,11 +54,14 @@ class FileThread:
 
     def commit(self, change: Change) -> asyncio.Future[None]:
         """Make ``change`` durable; the future settles once it is in the file (or failed)."""
-        loop = asyncio.get_running_loop()
+        # The loop of the commits gathered in this turn when there are some: on Python 3.11
+        # asyncio.get_running_loop() is a getpid() system call each time.
+        gathered = self._gathered
+        loop = gathered[0][1].get_loop() if gathered else asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        if not self._gathered:
+        if not gathered:
             loop.call_soon(self._hand_over)
-        self._gathered.append((change, fut))
+        gathered.append((change, fut))
         return fut
 
     def _hand_over(self) -> None:
