@@ -70,8 +70,10 @@ class Stream:
 
     def watch(self, deadline: asyncio.Timeout) -> None:
         self.deadline = deadline
-        self.quiet_since = self.loop.time()
-        self._timer = self.loop.call_at(self.quiet_since + self.idle_s, self._check)
+        self.quiet_since = now = self.loop.time()
+        self._timer = self.loop.call_at(now + self.idle_s, self._check)
+        if self.ended is not None and not self.renewing:
+            self._expire(now)  # ended before the wait began
 
     def unwatch(self) -> None:
         if self._timer is not None:
@@ -110,18 +112,24 @@ class Stream:
 
 class WireRenewer:
     """The renewals the connection's protocol reads itself (``app.server.bypass.keepalive``),
-    run on its stack until one waits (``run_inline``): one context a stream (its renewals
-    are answered one at a time, in order)."""
+    one context a stream (its renewals are answered one at a time, in order). On a store
+    that answers from this process (``Store.remote_reads`` false: SQLite) a renewal runs on
+    the protocol's stack until it waits (``run_inline``); on one whose reads are round trips
+    (etcd: its calls need a current task, ``asyncio.timeout``) each is a task."""
 
     def __init__(self, answers: Answers, stream: Stream) -> None:
         self.answers = answers
         self.stream = stream
         self.context = contextvars.copy_context()
+        self.inline = not answers.registry.store.remote_reads
 
     def renew(self, data: bytes, arrived: float) -> bytes | Waiting[bytes | None] | None:
         if self.stream.ended is not None:
             return None
-        return run_inline(self._renew(data, arrived), self.context, self.stream.loop)
+        renewal = self._renew(data, arrived)
+        if not self.inline:
+            return Waiting(self.stream.loop.create_task(renewal, context=self.context))
+        return run_inline(renewal, self.context, self.stream.loop)
 
     async def _renew(self, data: bytes, arrived: float) -> bytes | None:
         stream = self.stream
@@ -158,7 +166,6 @@ class KeepAlive:
             return
         limits.held += 1
         try:
-            await send({"type": "websocket.accept"})
             await self.serve(scope, receive, send, limits.idle_s, state)
         finally:
             limits.held -= 1
@@ -171,12 +178,13 @@ class KeepAlive:
         stream = Stream(loop, idle_s)
         answers = Answers(scope, registry)
         state.tokens.hold(stream, scope.get("state", {}).get(CREDENTIAL))
+        wire = scope.get("extensions", {}).get(EXTENSION)
+        if wire is not None:  # the protocol reads renewals itself, from the first one on
+            wire["renewer"] = WireRenewer(answers, stream)
         try:
+            await send({"type": "websocket.accept"})
             async with asyncio.timeout_at(None) as deadline:
                 stream.watch(deadline)
-                wire = scope.get("extensions", {}).get(EXTENSION)
-                if wire is not None:  # the protocol reads renewals itself from now on
-                    wire["renewer"] = WireRenewer(answers, stream)
                 while True:
                     message = await receive()
                     if message["type"] != "websocket.receive":

@@ -2,7 +2,8 @@
 3.11): a keep-alive renewal that the store answers from memory (SQLite) ends there, with no
 task, no ``call_soon`` and no loop turn of its own; one that waits (etcd's gRPC, a range read)
 goes on as a task from where it stopped, in the same context, exactly as if a task had run it
-from the start."""
+from the start. Until it first waits there is no current task: code that needs one before
+that (``asyncio.timeout``, as the etcd store's calls) must not run here."""
 
 from __future__ import annotations
 

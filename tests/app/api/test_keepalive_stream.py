@@ -67,7 +67,14 @@ def bearer(token: str) -> dict[str, str]:
 def stream(server: RegistryProcess, token: str | None = WORKER) -> ClientConnection:
     url = server.url.replace("http://", "ws://") + "/keepalive"
     headers = bearer(token) if token else {}
-    return connect(url, additional_headers=headers, open_timeout=5, proxy=None, legacy=True)
+    return connect(  # as the lease keeper: no compression (a compressed frame is the route's)
+        url,
+        additional_headers=headers,
+        open_timeout=5,
+        proxy=None,
+        legacy=True,
+        compression=None,
+    )
 
 
 def refused(server: RegistryProcess, token: str | None) -> dict[str, Any]:
@@ -243,3 +250,24 @@ def test_pings_and_a_fragmented_message_are_answered_in_order(
         assert [a["rank"] for a in json.loads(ws.recv(timeout=10))["agents"]] == [0, 1]
         assert ws.ping().wait(timeout=5)
         assert renew(ws, group, "superseded-id", [0])["status"] == 409
+
+
+def test_pipelined_renewals_are_answered_in_order_each_once(
+    server: RegistryProcess, api: httpx.Client
+) -> None:
+    """Renewals sent back to back (read in one go, some waiting on the store's commit right
+    after the registration) are answered one each, in order, a refused one in its place."""
+    group = new_gid("ka")
+    engine_id = launch_batch(api, group)
+    asked = [[0], [1], [0, 1], None, [1], [0]]
+    with stream(server) as ws:
+        for ranks in asked:
+            ws.send(json.dumps([group, engine_id, ranks]) if ranks else "[]")
+        for ranks in asked:
+            answer = json.loads(ws.recv(timeout=10))
+            if ranks is None:
+                assert answer["status"] == 422, answer
+            else:
+                assert [a["rank"] for a in answer["agents"]] == ranks, (ranks, answer)
+        with pytest.raises(TimeoutError):
+            ws.recv(timeout=0.5)  # nothing more
