@@ -156,6 +156,12 @@ def guarded_protocol(
                 self._watch.cancel()
                 self._watch = None
 
+        def handle_websocket_upgrade(self) -> None:
+            # The connection is the WebSocket protocol's from here (a keep-alive stream has
+            # its own idle timer): this watchdog would close it at the keep-alive timeout.
+            self._disarm()
+            super().handle_websocket_upgrade()
+
         def _refuse(self, status: int, reason: str, code: str, detail: str) -> None:
             self._disarm()
             if not self.transport.is_closing():

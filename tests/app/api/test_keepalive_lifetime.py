@@ -1,13 +1,11 @@
 """``GET /keepalive``: a renewing stream outlives the HTTP keep-alive timer of the connection
 it was upgraded from (``REGISTRY_KEEP_ALIVE_S``).
 
-Found by ``bench.keepalive`` and the 100,000-rank fleet over streams: the HTTP protocol's
-watchdog (``app/server/protocol.py``, ``GuardedProtocol._tick``) is not disarmed when uvicorn
-hands the connection to the WebSocket protocol, finds no request cycle (idle) and closes the
-transport, without a close frame, at its first tick past ``REGISTRY_KEEP_ALIVE_S`` after the
-upgrade (75 s by default): every node's stream breaks about every 80 s, and the node renews
-over REST and opens it again. The fix belongs to ``app/server/protocol.py`` (disarm the
-watchdog in ``handle_websocket_upgrade``); until then this test is a strict xfail.
+The HTTP protocol's watchdog (``app/server/protocol.py``, ``GuardedProtocol._tick``) is disarmed
+when uvicorn hands the connection to the WebSocket protocol; before, it found no request cycle
+(idle) and closed the transport, without a close frame, at its first tick past
+``REGISTRY_KEEP_ALIVE_S`` after the upgrade (75 s by default): every node's stream broke about
+every 80 s, and the node renewed over REST and opened it again.
 """
 
 from __future__ import annotations
@@ -24,11 +22,6 @@ from tests.app.api.conftest import sqlite_url
 pytestmark = [pytest.mark.api, pytest.mark.timeout(60)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app/server/protocol.py: GuardedProtocol's watchdog outlives the WebSocket upgrade "
-    "and closes the stream at REGISTRY_KEEP_ALIVE_S (fix: disarm it in handle_websocket_upgrade)",
-)
 def test_a_renewing_stream_outlives_the_http_keep_alive_timer(tmp_path: Path) -> None:
     env = {
         "REGISTRY_KEEP_ALIVE_S": "2",
