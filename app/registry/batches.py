@@ -117,5 +117,8 @@ class BatchesMixin(AgentsMixin):
         ``app.server.bypass.fastpath.heartbeats_json``)."""
         renewed = await self._renewals(gid, ranks, engine_id)
         now = time.time()
-        expiry = {lease.id: utc_iso(now + lease.remaining_s) for lease in renewed.values()}
+        expiry: dict[int, str] = {}
+        for lease in renewed.values():  # a node's ranks share one lease: formatted once
+            if lease.id not in expiry:
+                expiry[lease.id] = utc_iso(now + lease.remaining_s)
         return [(r, expiry[renewed[r].id]) for r in ranks]
