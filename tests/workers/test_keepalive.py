@@ -61,6 +61,8 @@ def test_the_keeper_renews_over_the_stream_and_stops_when_superseded(tmp_path: P
             pub.run()
             assert pub.stream is not None
             assert (pub.heartbeats, pub.stream.renewals, pub.stream.connects) == (10, 10, 1)
+            assert pub.stream.ws is not None
+            assert pub.stream.ws.ping_interval is None  # renewals show it alive: no pings
             admin = RegistryClient(server.url)
             admin.open_engine("ka-stream", launch_id="l-2", tp_size=2, role="prefill")
             admin.close()
