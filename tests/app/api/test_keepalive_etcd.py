@@ -6,7 +6,6 @@ renewed only over the stream outlives its ttl.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +17,7 @@ from websockets.sync.client import connect
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body, new_gid
+from tests.support.streams import renew_pipelined
 
 pytestmark = [
     pytest.mark.api,
@@ -45,14 +45,7 @@ def test_pipelined_renewals_on_etcd_are_answered_in_order(tmp_path: Path) -> Non
         with connect(url, open_timeout=5, proxy=None, compression=None) as ws:
             started = time.monotonic()
             while time.monotonic() - started < 7:  # past the ttl (5 s)
-                for ranks in asked:  # sent back to back, before any answer
-                    ws.send(json.dumps([group, engine_id, ranks]) if ranks else "[]")
-                for ranks in asked:
-                    answer = json.loads(ws.recv(timeout=10))
-                    if ranks is None:
-                        assert answer["status"] == 422, answer
-                    else:
-                        assert [a["rank"] for a in answer["agents"]] == ranks, (ranks, answer)
+                renew_pipelined(ws, group, engine_id, asked)
                 time.sleep(1.0)
         live = api.get(f"/tp-groups/{group}/engine")
         assert live.status_code == 200, live.text

@@ -25,6 +25,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body, new_gid, sqlite_url
+from tests.support.streams import renew_pipelined
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(120)]
 
@@ -259,15 +260,7 @@ def test_pipelined_renewals_are_answered_in_order_each_once(
     after the registration) are answered one each, in order, a refused one in its place."""
     group = new_gid("ka")
     engine_id = launch_batch(api, group)
-    asked = [[0], [1], [0, 1], None, [1], [0]]
     with stream(server) as ws:
-        for ranks in asked:
-            ws.send(json.dumps([group, engine_id, ranks]) if ranks else "[]")
-        for ranks in asked:
-            answer = json.loads(ws.recv(timeout=10))
-            if ranks is None:
-                assert answer["status"] == 422, answer
-            else:
-                assert [a["rank"] for a in answer["agents"]] == ranks, (ranks, answer)
+        renew_pipelined(ws, group, engine_id, [[0], [1], [0, 1], None, [1], [0]])
         with pytest.raises(TimeoutError):
             ws.recv(timeout=0.5)  # nothing more
