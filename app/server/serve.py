@@ -100,6 +100,8 @@ def uvicorn_options(settings: Settings, *, bypass: bool | None = None) -> dict[s
         # Keep-alive streams: renewals read in the connection's protocol with the bypass on.
         "ws": _keepalive_wire() if bypass else "auto",
         "ws_max_size": FAST_MAX,
+        "ws_ping_interval": settings.keepalive_ping_s,
+        "ws_ping_timeout": settings.keepalive_ping_s,
         "loop": "uvloop",
         "log_config": None,
         "access_log": False,

@@ -143,6 +143,13 @@ class Settings(BaseSettings):
         le=86400,
         description="A keep-alive stream with no renewal for this long is closed.",
     )
+    keepalive_ping_s: float = Field(
+        20.0,
+        gt=0,
+        le=3600,
+        description="A keep-alive stream quiet this long is pinged; no pong within as long "
+        "closes it (a renewing stream is not pinged).",
+    )
     lease_grace_s: float = Field(
         60.0,
         ge=0,

@@ -1,9 +1,10 @@
-"""``GET /keepalive``: the server's keep-alive pings (uvicorn's, every 20 s) go only to a quiet
-stream; a stream that renews within the interval gets none (its renewals show it alive).
+"""``GET /keepalive``: the server's keep-alive pings (``REGISTRY_KEEPALIVE_PING_S``, here 2 s)
+go only to a quiet stream; a stream that renews within the interval gets none (its renewals
+show it alive).
 
 Two streams on one real registry, read frame by frame over raw sockets (a client library
-would answer the pings unseen): one renews every 4 s, one says nothing; after 26 s only the
-quiet one has been pinged.
+would answer the pings unseen): one renews every 0.4 s, one says nothing; after 2.6 s only
+the quiet one has been pinged.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.app.api.conftest import agent_body, new_gid, sqlite_url
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(120)]
 
-PING_S = 20.0  # uvicorn's --ws-ping-interval default (app/server/serve.py sets none)
+PING_S = 2.0  # REGISTRY_KEEPALIVE_PING_S for the test's registry (20 s by default)
 TEXT, PING = 0x81, 0x89
 
 
@@ -90,7 +91,8 @@ class RawStream:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RegistryProcess]:
-    with RegistryProcess(sqlite_url(tmp_path), log_path=tmp_path / "registry.log") as proc:
+    env = {"REGISTRY_KEEPALIVE_PING_S": str(PING_S)}
+    with RegistryProcess(sqlite_url(tmp_path), env=env, log_path=tmp_path / "registry.log") as proc:
         yield proc
 
 
@@ -107,12 +109,12 @@ def test_a_renewing_stream_is_not_pinged_and_a_quiet_one_is(server: RegistryProc
     try:
         message = json.dumps([group, engine_id, [0]])
         started = time.monotonic()
-        while time.monotonic() - started < PING_S + 6:  # past the first ping's time
+        while time.monotonic() - started < PING_S * 1.3:  # past the first ping's time
             renewing.send(message)
             answer = renewing.read(10.0)
             assert answer is not None
             assert b'"agents"' in answer, answer
-            quiet.read(4.0)  # the renewals' pace: every 4 s
+            quiet.read(PING_S / 5)  # the renewals' pace: five an interval
         renewing.read(0.5)
         assert PING not in renewing.opcodes, renewing.opcodes
         assert PING in quiet.opcodes, quiet.opcodes
