@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 VLLM_SETUP_LOG := .venv-vllm-setup.log
+DEPLOY_LOG := .deploy-tier.log
 SOURCES := app registry_client workers harness tests bench
 
 .PHONY: run test test-tier test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
@@ -41,14 +42,23 @@ check: lint types
 # Every tier but real vLLM, then real vLLM in its own environment (.venv-vllm).
 # ENGINE_REGISTRY_REQUIRE_ALL=1: a tier that would skip for a missing part fails instead.
 # .venv-vllm/ (scripts/setup-vllm.sh: about 100 s of downloads and unpacking from scratch) is
-# made while .venv/, the Debian packages and the checks are; the tests start once both are.
+# made while .venv/, the Debian packages and the checks are. The deploy tier (Docker,
+# namespaces, kubectl: mostly waiting, about half a core) starts once .venv/ and the packages
+# are, beside the checks and then the other tiers; its output (.deploy-tier.log) after theirs.
 test:
 	@bash scripts/setup-vllm.sh > $(VLLM_SETUP_LOG) 2>&1 & setup=$$!; \
-	$(MAKE) $(VENV)/.dev system-deps check; made=$$?; \
+	trap 'kill $$setup $${deploy:-} 2>/dev/null' INT TERM; \
+	if ! $(MAKE) $(VENV)/.dev system-deps; then kill $$setup; exit 2; fi; \
+	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m deploy -p no:cacheprovider \
+		> $(DEPLOY_LOG) 2>&1 & deploy=$$!; \
+	$(MAKE) check; made=$$?; \
 	wait $$setup; vllm=$$?; cat $(VLLM_SETUP_LOG); \
-	if [ $$vllm -ne 0 ]; then echo "make test: scripts/setup-vllm.sh failed (exit $$vllm), its output above"; exit $$vllm; fi; \
-	exit $$made
-	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm"
+	if [ $$vllm -ne 0 ]; then echo "make test: scripts/setup-vllm.sh failed (exit $$vllm), its output above"; fi; \
+	if [ $$made -eq 0 ] && [ $$vllm -eq 0 ]; then \
+		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy"; others=$$?; \
+	else others=2; fi; \
+	wait $$deploy; tier=$$?; echo "== the deploy tier, run beside the checks and tiers (exit $$tier) =="; \
+	cat $(DEPLOY_LOG); [ $$others -eq 0 ] && [ $$tier -eq 0 ]
 	$(MAKE) test-vllm
 
 # One tier (a marker: pyproject.toml lists them), e.g. `make test-tier TIER=unit`.
