@@ -82,4 +82,4 @@ bench-quick: $(VENV)/.dev system-deps
 	$(BIN)/python -m bench.run --quick
 
 clean:
-	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache .pytest_cache *.egg-info $(VLLM_SETUP_LOG) $(DEPLOY_LOG)
