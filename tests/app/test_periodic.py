@@ -34,7 +34,8 @@ def test_a_periodic_task_logs_a_failure_and_goes_on(caplog: pytest.LogCaptureFix
     assert len(calls) >= 6, calls  # it went on calling after the failures
     failed = [r for r in caplog.records if "test-periodic failed" in r.getMessage()]
     assert len(failed) == 1, [r.getMessage() for r in caplog.records]
-    assert failed[0].levelno == logging.ERROR and failed[0].exc_info is not None
+    assert failed[0].levelno == logging.ERROR
+    assert failed[0].exc_info is not None
     assert "finished Timeout" in str(failed[0].exc_info[1])
     again = [r for r in caplog.records if "succeeded again after 3 failures" in r.getMessage()]
     assert len(again) == 1, [r.getMessage() for r in caplog.records]
