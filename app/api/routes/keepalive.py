@@ -15,9 +15,11 @@ idle deadline, revocation, and any message that protocol passes on.
 
 Every wait has a deadline: a stream with no message for ``REGISTRY_KEEPALIVE_IDLE_S`` is
 closed (1000), and a token a tokens-file reload drops ends its streams at once with a last
-``401 unauthorized`` answer and a close (1008). At most ``REGISTRY_KEEPALIVE_MAX`` streams are
-held; past it the upgrade gets ``503 overloaded`` (0: ``404``, the route is off), and the node
-renews over REST (``workers/keepalive.py``).
+``401 unauthorized`` answer and a close (1008); one it makes a reader, with ``403 forbidden``.
+A reload that changes the token's ``groups=`` applies from the next renewal: the request's
+credential is the token's current one (``TokenSource.hold``). At most
+``REGISTRY_KEEPALIVE_MAX`` streams are held; past it the upgrade gets ``503 overloaded`` (0:
+``404``, the route is off), and the node renews over REST (``workers/keepalive.py``).
 """
 
 from __future__ import annotations
