@@ -15,8 +15,12 @@ in force; the error log names the file and the line (never a token). Each accept
 is a new *generation*: its number, when it was loaded and the sha256 of the file's bytes are
 shown to admins at ``GET /admin/tokens`` (and by ``engine-registry status``).
 
-A token a reload drops is revoked: new requests get 401, and the watch streams it opened
-(``hold``) end at once with a final ``ERROR`` line, code ``unauthorized``.
+A token a reload drops is revoked: new requests get 401, and the streams it opened (``hold``:
+watches, keep-alive streams) end at once with a final ``ERROR`` line, code ``unauthorized``. A
+stream whose token's new role is below what the stream needs (a keep-alive stream: worker)
+ends the same way with ``forbidden``; otherwise the stream's request credential becomes the
+token's current one, so a changed ``groups=`` applies from its next message. One stream that
+cannot be ended is logged and never keeps the others open.
 """
 
 from __future__ import annotations
@@ -35,15 +39,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
+from starlette.types import Scope
 
 from app.core.periodic import every
 from app.core.problems import error_line
-from app.security.auth import TokenFileError, Tokens, inline_tokens, parse_tokens, read_tokens_file
-from app.security.credentials import Credential
+from app.security.auth import (
+    CREDENTIAL,
+    TokenFileError,
+    Tokens,
+    inline_tokens,
+    parse_tokens,
+    read_tokens_file,
+)
+from app.security.credentials import ROLES, Credential, RoleName
 
 log = logging.getLogger("app")
 
@@ -54,11 +66,18 @@ _UNSEEN: FileId = (-1, -1, -1)
 
 
 class Held(Protocol):
-    """What a token holds open (a watch stream, app/watch/stream.py): ended on revocation."""
+    """What a token holds open (a watch stream, app/watch/stream.py; a keep-alive stream,
+    app/api/routes/keepalive.py): ended on revocation."""
 
     revision: int
 
     def finish(self, line: bytes, *, slow: bool = False) -> None: ...
+
+
+@dataclass(slots=True)
+class _Hold:
+    state: dict[str, Any]  # the request's scope["state"]: its credential, read per message
+    needs: RoleName  # the role the stream was opened with (and must keep)
 
 
 @dataclass(frozen=True)
@@ -88,7 +107,7 @@ class TokenSource:
         self.tokens: Tokens = self.generation.tokens
         self._pending: FileId | None = _UNSEEN  # a change seen once, reloaded if it holds
         self._failed: FileId | None = _UNSEEN  # the file as it was when a reload failed
-        self._held: weakref.WeakKeyDictionary[Held, Credential] = weakref.WeakKeyDictionary()
+        self._held: weakref.WeakKeyDictionary[Held, _Hold] = weakref.WeakKeyDictionary()
 
     def _load(self, number: int) -> TokenGeneration:
         tokens: Tokens = {}
@@ -177,37 +196,60 @@ class TokenSource:
     def counts(self) -> dict[str, int]:
         return dict(Counter(credential.role for credential in self.tokens.values()))
 
-    def hold(self, stream: Held, credential: Credential | None) -> None:
-        """``stream`` (a watch) was opened with ``credential``: a reload that drops the
-        token ends it (``revoke``). Held weakly: an ended stream is forgotten with it."""
-        if credential is not None:
-            self._held[stream] = credential
+    def hold(self, stream: Held, scope: Scope, needs: RoleName = "reader") -> None:
+        """``stream`` was opened by the request of ``scope``, which needed role ``needs``: each
+        reload applies the tokens in force to it (``revoke``). Held weakly; the stream's
+        owner ``release``s it when it ends (an ended stream may live on until the cyclic GC)."""
+        state = scope.get("state")
+        if state is not None and state.get(CREDENTIAL) is not None:
+            self._held[stream] = _Hold(state, needs)
+
+    def release(self, stream: Held) -> None:
+        self._held.pop(stream, None)
 
     def revoke(self) -> int:
-        """End every held stream whose token is no longer in force, with a final ``ERROR``
-        line (``unauthorized``); how many."""
+        """Apply the tokens in force to every held stream (see the module's docstring); how
+        many ended."""
         ended = 0
-        for stream, credential in list(self._held.items()):
-            if credential.digest in self.tokens:
-                continue
-            del self._held[stream]
-            stream.finish(
-                error_line(
-                    stream.revision,
-                    "unauthorized",
-                    401,
-                    f"The token {credential.name!r} that opened this stream was removed from "
-                    f"the tokens file (generation {self.generation.number}): watch again from "
-                    "this revision with a token in force.",
-                )
-            )
-            ended += 1
+        for stream, held in list(self._held.items()):
+            try:
+                ended += self._follow(stream, held)
+            except Exception:  # one stream's failure must not keep the others open
+                self._held.pop(stream, None)
+                log.exception("a stream of a changed token could not be ended")
         if ended:
             log.info(
-                "watch streams of removed tokens ended",
+                "streams of removed or demoted tokens ended",
                 extra={"streams": ended, "generation": self.generation.number},
             )
         return ended
+
+    def _follow(self, stream: Held, held: _Hold) -> bool:
+        """The stream's credential made the token's current one, or the stream ended (True)."""
+        old: Credential = held.state[CREDENTIAL]
+        new = self.tokens.get(old.digest)
+        if new is not None and ROLES[new.role] >= ROLES[held.needs]:
+            if new != old:
+                held.state[CREDENTIAL] = new
+                held.state["role"] = new.role
+            return False
+        del self._held[stream]
+        number = self.generation.number
+        if new is None:
+            code, status = "unauthorized", 401
+            detail = (
+                f"The token {old.name!r} that opened this stream was removed from the tokens "
+                f"file (generation {number}): open it again (a watch: from this revision) with a "
+                "token in force."
+            )
+        else:
+            code, status = "forbidden", 403
+            detail = (
+                f"The token {old.name!r} that opened this stream is a {new.role} token since "
+                f"generation {number} of the tokens file; this stream needs {held.needs}."
+            )
+        stream.finish(error_line(stream.revision, code, status, detail))
+        return True
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:

@@ -15,9 +15,11 @@ idle deadline, revocation, and any message that protocol passes on.
 
 Every wait has a deadline: a stream with no message for ``REGISTRY_KEEPALIVE_IDLE_S`` is
 closed (1000), and a token a tokens-file reload drops ends its streams at once with a last
-``401 unauthorized`` answer and a close (1008). At most ``REGISTRY_KEEPALIVE_MAX`` streams are
-held; past it the upgrade gets ``503 overloaded`` (0: ``404``, the route is off), and the node
-renews over REST (``workers/keepalive.py``).
+``401 unauthorized`` answer and a close (1008); one it makes a reader, with ``403 forbidden``.
+A reload that changes the token's ``groups=`` applies from the next renewal: the request's
+credential is the token's current one (``TokenSource.hold``). At most
+``REGISTRY_KEEPALIVE_MAX`` streams are held; past it the upgrade gets ``503 overloaded`` (0:
+``404``, the route is off), and the node renews over REST (``workers/keepalive.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.core.errors import NotFound, Overloaded
 from app.registry import Registry
-from app.security.auth import CREDENTIAL, send_refusal
+from app.security.auth import send_refusal
 from app.server.bypass.inline import Waiting, run_inline
 from app.server.bypass.keepalive import EXTENSION, Answers
 
@@ -64,6 +66,7 @@ class Stream:
         self.idle_s = idle_s
         self.deadline: asyncio.Timeout | None = None  # armed at None: ``_check`` expires it
         self.ended: bytes | None = None  # the last answer of a stream ended from outside
+        self.reason = ""  # its close's reason
         self.renewing = 0
         self.quiet_since = loop.time()  # the last renewal's end
         self._timer: asyncio.TimerHandle | None = None
@@ -76,6 +79,9 @@ class Stream:
             self._expire(now)  # ended before the wait began
 
     def unwatch(self) -> None:
+        """Before its ``deadline`` exits: an exited ``asyncio.Timeout`` cannot be rescheduled
+        (RuntimeError), and a revocation may come after the stream ended."""
+        self.deadline = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -96,6 +102,7 @@ class Stream:
     def finish(self, line: bytes, *, slow: bool = False) -> None:
         problem = json.loads(line)["object"]  # the watch's ERROR line: its problem
         self.ended = json.dumps(problem, separators=(",", ":")).encode()
+        self.reason = "token revoked" if problem["status"] == 401 else "token demoted"
         if not self.renewing:
             self._expire(self.loop.time())
 
@@ -177,7 +184,7 @@ class KeepAlive:
         loop = asyncio.get_running_loop()
         stream = Stream(loop, idle_s)
         answers = Answers(scope, registry)
-        state.tokens.hold(stream, scope.get("state", {}).get(CREDENTIAL))
+        state.tokens.hold(stream, scope, "worker")  # its role and groups follow the token's
         wire = scope.get("extensions", {}).get(EXTENSION)
         if wire is not None:  # the protocol reads renewals itself, from the first one on
             wire["renewer"] = WireRenewer(answers, stream)
@@ -185,20 +192,11 @@ class KeepAlive:
             await send({"type": "websocket.accept"})
             async with asyncio.timeout_at(None) as deadline:
                 stream.watch(deadline)
-                while True:
-                    message = await receive()
-                    if message["type"] != "websocket.receive":
+                try:
+                    if await self.renewals(receive, send, answers, stream):
                         return  # websocket.disconnect: the client went away
-                    arrived = time.time()
-                    stream.begin()
-                    try:
-                        data = message.get("text") or message.get("bytes")
-                        answer = await answers.answer(data, arrived)
-                    finally:
-                        stream.end()
-                    if stream.ended is not None:
-                        break
-                    await send({"type": "websocket.send", "text": answer.decode()})
+                finally:
+                    stream.unwatch()
         except TimeoutError:
             if not deadline.expired():
                 raise
@@ -210,12 +208,32 @@ class KeepAlive:
             return  # the client is gone (uvicorn's ClientDisconnected)
         finally:
             stream.unwatch()
+            state.tokens.release(stream)
         assert stream.ended is not None
         try:
             await send({"type": "websocket.send", "text": stream.ended.decode()})
-            await send({"type": "websocket.close", "code": 1008, "reason": "token revoked"})
+            await send({"type": "websocket.close", "code": 1008, "reason": stream.reason})
         except OSError:
             return
+
+    @staticmethod
+    async def renewals(receive: Receive, send: Send, answers: Answers, stream: Stream) -> bool:
+        """The route's loop: each message answered in order, until the client goes away
+        (True) or the stream is ended from outside (False)."""
+        while True:
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return True
+            arrived = time.time()
+            stream.begin()
+            try:
+                data = message.get("text") or message.get("bytes")
+                answer = await answers.answer(data, arrived)
+            finally:
+                stream.end()
+            if stream.ended is not None:
+                return False
+            await send({"type": "websocket.send", "text": answer.decode()})
 
 
 route = WebSocketRoute(PATH, KeepAlive(), name="keepalive")

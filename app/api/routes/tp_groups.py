@@ -22,7 +22,6 @@ from app.core.schemas import (
     Role,
     ServingRequest,
 )
-from app.security.auth import CREDENTIAL
 from app.server.jsonbody import LimitedJsonRoute
 from app.watch.history import Selector
 from app.watch.pages import read_page
@@ -68,7 +67,7 @@ async def list_groups(
     selector = Selector(role, model)
     if watch:
         stream = await watchers.watch(revision, selector, request.app.state.store_timeout_s)
-        request.app.state.tokens.hold(stream, request.scope.get("state", {}).get(CREDENTIAL))
+        request.app.state.tokens.hold(stream, request.scope)
         return stream
     body = await read_page(
         watchers.feed,
