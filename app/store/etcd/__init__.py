@@ -10,7 +10,6 @@ import importlib.util
 from app.store.base import Backend, Store, StoreOptions
 from app.store.etcd.config import EtcdAccess, parse_url
 
-
 # The package is not on an index: its extra installs from the checkout.
 INSTALL = "from the checkout: .venv/bin/pip install -e '.[etcd]'"
 _CLIENT = ("aetcd", "grpc")  # pyproject's etcd extra
