@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     )
     tokens_file: Path | None = Field(None, description="File of role:token lines.")
     tokens: str | None = Field(
-        None, description="role:token pairs separated by commas (instead of a file)."
+        None, description="role:token pairs separated by commas (with the file's, if any)."
     )
     insecure: bool = Field(False, description="Serve without tokens on a non-loopback address.")
     store_timeout_s: float = Field(
