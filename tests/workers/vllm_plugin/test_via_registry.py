@@ -261,7 +261,7 @@ def test_a_runtime_dir_another_user_took_costs_the_sharing_never_a_handshake(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A container: no XDG_RUNTIME_DIR, no /run/user/<uid>; the shared <tmp> is this test's.
-    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setattr(node_follow, "USER_RUN", tmp_path / "no-run-user")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     taken = tmp_path / f"engine-registry-{os.getuid()}"
