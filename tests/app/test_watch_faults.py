@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
-from harness.etcd import ETCDCTL_BIN, EtcdCluster
 from app.server.settings import Settings
+from harness.etcd import ETCDCTL_BIN, EtcdCluster
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
 from registry_client.watch import WatchEvent
