@@ -107,10 +107,12 @@ def format_groups(groups: list[dict[str, Any]]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from registry_client.paths import normalize_urls
+
     token = args.token or os.environ.get("REGISTRY_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    url = args.url.rstrip("/")
     try:
+        urls = normalize_urls(args.url)
         tls = client_tls(args)
     except ValueError as exc:
         print(f"engine-registry status: {exc}", file=sys.stderr)
@@ -132,22 +134,25 @@ def _status(args: argparse.Namespace) -> int:
             color=color,
             verify=tls.context,
         ).run()
+    failures: list[str] = []
     with httpx.Client(headers=headers, timeout=args.timeout, verify=tls.context) as http:
-        try:
-            answer = http.get(f"{url}/tp-groups")
-            # Admins only (others get 401/403 and see no line): the tokens generation.
-            tokens = http.get(f"{url}/admin/tokens") if answer.status_code == 200 else None
-        except httpx.HTTPError as exc:
-            print(f"engine-registry: {unreachable(exc, args.url, tls)}", file=sys.stderr)
+        for url in urls:  # replicas in turn, as probe and router-sync: the first that answers
+            try:
+                answer = http.get(f"{url}/tp-groups")
+                # Admins only (others get 401/403 and see no line): the tokens generation.
+                tokens = http.get(f"{url}/admin/tokens") if answer.status_code == 200 else None
+                break
+            except httpx.HTTPError as exc:
+                failures.append(unreachable(exc, url, tls))
+        else:
+            print(f"engine-registry: {'; '.join(failures)}", file=sys.stderr)
             return 1
     if answer.status_code != 200:
         try:
             detail = answer.json().get("detail", answer.text)
         except ValueError:
             detail = answer.text
-        print(
-            f"engine-registry: {args.url} answered {answer.status_code}: {detail}", file=sys.stderr
-        )
+        print(f"engine-registry: {url} answered {answer.status_code}: {detail}", file=sys.stderr)
         return 1
     groups = answer.json()["groups"]
     print(format_groups(groups) if groups else "no groups")
@@ -272,7 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     status = sub.add_parser("status", help="show a running registry's groups as a table")
-    status.add_argument("--url", default=os.environ.get("REGISTRY_URL", DEFAULT_URL))
+    status.add_argument(
+        "--url",
+        default=os.environ.get("REGISTRY_URL", DEFAULT_URL),
+        help="registry URL(s), comma-separated replicas: the first that answers (REGISTRY_URL)",
+    )
     status.add_argument("--token", help="bearer token (or REGISTRY_TOKEN)")
     status.add_argument("--timeout", type=float, default=10.0)
     status.add_argument(

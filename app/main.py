@@ -42,13 +42,14 @@ log = logging.getLogger("app")
 
 
 def watch_limit(settings: Settings) -> int:
-    """``watch_max``, else half the connections the descriptor limit leaves room for."""
+    """``watch_max``, else half the connections the descriptor limit leaves room for (no
+    floor: the other half is always the requests')."""
     if settings.watch_max is not None:
         return settings.watch_max
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(16, min(settings.max_connections, soft - 64) // 2)
+    return max(1, min(settings.max_connections, soft - 64) // 2)
 
 
 def create_app(settings: Settings | None = None, store: Store | None = None) -> FastAPI:

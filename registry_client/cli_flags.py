@@ -41,6 +41,15 @@ def client_tls(args: argparse.Namespace) -> ClientTLS:
 
 
 def unreachable(exc: httpx.HTTPError, url: str, tls: ClientTLS) -> str:
-    """A TLS failure names what failed and the flag that fixes it; anything else as is."""
+    """A TLS failure names what failed and the flag that fixes it; a plain ``http://``
+    request the server closed unanswered names its likely cause (TLS there); anything else
+    as is."""
     failure = tls_failure(exc, url, tls)
-    return str(failure) if failure is not None else f"cannot reach {url}: {exc}"
+    if failure is not None:
+        return str(failure)
+    if isinstance(exc, httpx.RemoteProtocolError) and url.lower().startswith("http://"):
+        return (
+            f"cannot reach {url}: {exc}: the server likely speaks TLS there; use "
+            "https://… with --ca (the CA that signed its certificate)"
+        )
+    return f"cannot reach {url}: {exc}"

@@ -136,7 +136,9 @@ class Watch:
     def frame(self, now: float) -> str:
         """One frame's text: the groups as the stream has them, compared with the last frame."""
         stamp = time.strftime("%H:%M:%S", time.localtime(now))
-        head = f"engine-registry status  {self.url}  watching (revision {self.revision})  {stamp}"
+        # Before the first list there is no revision to show: say it is still connecting.
+        state = "connecting" if self.revision is None else f"watching (revision {self.revision})"
+        head = f"engine-registry status  {self.url}  {state}  {stamp}"
         if self.failure is not None:
             exc = self.failure
             if self.down_since is None:

@@ -38,40 +38,58 @@ class RegistryTLSError(RegistryError):
         self.url = url
 
 
-@dataclass(frozen=True)
+# A file: a path as text or a path object; None (or empty) for none.
+PathArg = str | os.PathLike[str] | None
+
+
+@dataclass(frozen=True, init=False)
 class ClientTLS:
     """CA bundle, client certificate and key for HTTPS registry URLs; names say how each is
     set (a variable or a flag), for error messages."""
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
-    ca_name: str = "WORKERS_REGISTRY_CA"
-    cert_name: str = "WORKERS_REGISTRY_CERT"
-    key_name: str = "WORKERS_REGISTRY_KEY"
+    ca: Path | None
+    cert: Path | None
+    key: Path | None
+    ca_name: str
+    cert_name: str
+    key_name: str
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        ca: PathArg = None,
+        cert: PathArg = None,
+        key: PathArg = None,
+        ca_name: str = "WORKERS_REGISTRY_CA",
+        cert_name: str = "WORKERS_REGISTRY_CERT",
+        key_name: str = "WORKERS_REGISTRY_KEY",
+    ) -> None:
+        paths = [Path(p) if p is not None and os.fspath(p) else None for p in (ca, cert, key)]
+        names = (ca_name, cert_name, key_name)
+        fields = ("ca", "cert", "key", "ca_name", "cert_name", "key_name")
+        for field_name, value in zip(fields, (*paths, *names), strict=True):
+            object.__setattr__(self, field_name, value)  # frozen: set once, here
         if self.key is not None and self.cert is None:
             raise TLSConfigError(
                 f"{self.key_name} is set but {self.cert_name} is not: a client key needs its "
                 "certificate (PEM)"
             )
-        for path, name in (
-            (self.ca, self.ca_name),
-            (self.cert, self.cert_name),
-            (self.key, self.key_name),
-        ):
+        for path, name in zip(paths, names, strict=True):
             _readable(path, name)
 
     @classmethod
     def from_env(
-        cls, names: tuple[str, str, str] | None = None, environ: Mapping[str, str] | None = None
+        cls,
+        names: str | tuple[str, str, str] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> ClientTLS:
-        """The CA, certificate and key named by these variables (default the workers'
-        ``VARS_OF_WORKERS``); unset or empty: none."""
+        """The CA, certificate and key named by these variables, or by a prefix
+        (``"WORKERS_REGISTRY"``: ``WORKERS_REGISTRY_CA``, ``_CERT``, ``_KEY``; the default);
+        unset or empty: none."""
         env = os.environ if environ is None else environ
+        if isinstance(names, str):
+            names = (f"{names}_CA", f"{names}_CERT", f"{names}_KEY")
         names = names or VARS_OF_WORKERS
-        ca, cert, key = (Path(v) if (v := env.get(n, "").strip()) else None for n in names)
+        ca, cert, key = (v if (v := env.get(n, "").strip()) else None for n in names)
         return cls(ca, cert, key, *names)
 
     @cached_property

@@ -26,6 +26,8 @@ _HOSTNAME = re.compile(
     r"(\.([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?))*\.?"
 )
 _PORT = re.compile(r"[0-9]{1,5}")
+# A path as RFC 3986 allows it unencoded (pchar and "/"): no {}<>|^`\ or quotes.
+_PATH = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*")
 
 
 def printable(value: str, what: str) -> str:
@@ -121,10 +123,16 @@ def serving_url(value: str) -> str:
             f"url {clip(value, 64)!r} names an unspecified host: advertise the address a "
             "router reaches (ENGINE_REGISTRY_ADVERTISE_URL), not the wildcard it binds"
         )
+    path = parts.path.rstrip("/")
+    if path and (parts.scheme.lower() == "grpc" or not _PATH.fullmatch(path)):
+        raise ValueError(
+            f"url {clip(value, 64)!r}: a path is http(s) only, of characters RFC 3986 allows "
+            "(percent-encode others); grpc:// is grpc://host:port"
+        )
     shown = _host_text(address, host)
     if isinstance(address, ipaddress.IPv6Address):
         shown = f"[{shown}]"
-    return f"{parts.scheme.lower()}://{shown}:{number}{parts.path.rstrip('/')}"
+    return f"{parts.scheme.lower()}://{shown}:{number}{path}"
 
 
 def bootstrap_address(value: str) -> str:

@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     )
     tokens_file: Path | None = Field(None, description="File of role:token lines.")
     tokens: str | None = Field(
-        None, description="role:token pairs separated by commas (instead of a file)."
+        None, description="role:token pairs separated by commas (with the file's, if any)."
     )
     insecure: bool = Field(False, description="Serve without tokens on a non-loopback address.")
     store_timeout_s: float = Field(
@@ -90,8 +90,9 @@ class Settings(BaseSettings):
     watch_max: int | None = Field(
         None,
         ge=1,
-        description="Watch streams per replica (default: half the connection limit, itself "
-        "kept below the descriptor limit); past it, 503 too_many_watchers.",
+        description="Watch streams per replica, below max_connections (default: half the "
+        "connection limit, itself kept below the descriptor limit); past it, 503 "
+        "too_many_watchers.",
     )
     watch_bookmark_s: float = Field(
         5.0, gt=0, le=300, description="A quiet watch stream gets a BOOKMARK this often."
@@ -210,6 +211,16 @@ class Settings(BaseSettings):
             password=password,
             password_file=self.etcd_password_file,
         )
+
+    @model_validator(mode="after")
+    def _watches_leave_room_for_requests(self) -> Settings:
+        if self.watch_max is not None and self.watch_max >= self.max_connections:
+            raise ValueError(
+                f"--watch-max {self.watch_max} (REGISTRY_WATCH_MAX) must be below "
+                f"--max-connections {self.max_connections}: each watch holds a connection, and "
+                "requests need some"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:

@@ -134,7 +134,8 @@ def command(args: argparse.Namespace) -> int:
     if args.vllm_router and (missing := _missing_extra()):
         problems.append(
             f"--vllm-router needs {missing} (vllm-router's discovery is ZMQ carrying msgpack): "
-            "pip install 'engine-registry[router-sync]'"
+            "install the router-sync extra from the checkout: .venv/bin/pip install -e "
+            "'.[router-sync]' (the package is not on an index)"
         )
     if problems:
         print("engine-registry router-sync: " + "; ".join(problems), file=sys.stderr)

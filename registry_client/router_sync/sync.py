@@ -54,11 +54,13 @@ def follow(
     stop: threading.Event,
     backoff: Backoff | None = None,
     lost_after_s: float = 30.0,
+    grace_s: float = DEFAULT_GRACE_S,
 ) -> None:
     """Keep ``groups`` as the registry says (its own thread); a failed watch is retried after
     a `Backoff` pause (full jitter, capped; at least a ``Retry-After`` the error carries).
     ``lost_after_s``: no replica answering this long ends a watch with the cause (below the
-    grace, so that the line saying router-sync is blind names it)."""
+    grace, so that the line saying router-sync is blind names it); ``grace_s``: what each
+    failure's line says the routers keep."""
     from registry_client.backoff import Backoff
     from registry_client.errors import RegistryUnavailable
 
@@ -76,18 +78,22 @@ def follow(
             groups.failed("the watch ended")
         except RegistryUnavailable as exc:
             groups.failed(str(exc))
-            log.warning(
-                "router-sync: %s; retrying (routers keep the last list within the grace)", exc
-            )
+            log.warning("router-sync: %s; retrying (%s)", exc, _kept(groups, grace_s))
         except Exception as exc:  # a refusal (token rotated) or a bad answer: said, retried
             groups.failed(repr(exc))
             retry_after = _retry_after(exc)
             log.error(
-                "router-sync: the watch failed (%r); retrying (routers keep the last list "
-                "within the grace)",
-                exc,
+                "router-sync: the watch failed (%r); retrying (%s)", exc, _kept(groups, grace_s)
             )
         stop.wait(backoff.next(retry_after))
+
+
+def _kept(groups: Groups, grace_s: float) -> str:
+    """What the routers get while the watch is blind: the last list within the grace."""
+    blind_s = groups.blind()[0]
+    if blind_s < grace_s:
+        return f"routers keep the last list for {grace_s - blind_s:.0f} s more, the grace"
+    return f"blind {blind_s:.0f} s, past the {grace_s:g} s grace: nothing is offered"
 
 
 def _retry_after(exc: Exception) -> float | None:
@@ -169,7 +175,7 @@ def run(
     lost_after_s = min(30.0, grace_s / 2)
     watcher = threading.Thread(
         target=follow,
-        args=(client, groups, stop, None, lost_after_s),
+        args=(client, groups, stop, None, lost_after_s, grace_s),
         name="router-sync-watch",
         daemon=True,
     )

@@ -42,6 +42,10 @@ REFUSED = [
     ("url", "http://10.0.0.1:8100/?next=x"),
     ("url", "http://10.0.0.1:8100/#frag"),
     ("url", "http://::1:8100"),  # IPv6 without brackets
+    ("url", "grpc://10.0.0.1:50051/path{}<>|^`"),  # gRPC has no path
+    ("url", "grpc://10.0.0.1:50051/v1"),
+    ("url", "http://10.0.0.1:8100/v1{}<>|^`"),  # not RFC 3986 unencoded
+    ("url", 'http://10.0.0.1:8100/a"b\\c'),
     ("bootstrap", "10.0.0.1:5600\n"),
     ("bootstrap", "10.0.\r\n0.1:5600"),
     ("bootstrap", "10.0.0.1:\u0665\u0666\u0660\u0660"),  # Arabic-Indic digits: int() takes them
@@ -60,6 +64,8 @@ NORMALIZED = [
     ({"url": "HTTP://Router.Example.:8100/"}, {"url": "http://router.example:8100"}),
     ({"url": "http://[0:0:0:0:0:0:0:1]:8100/v1/"}, {"url": "http://[::1]:8100/v1"}),
     ({"url": "https://10.0.0.1:0443"}, {"url": "https://10.0.0.1:443"}),
+    ({"url": "GRPC://10.0.0.1:50051/"}, {"url": "grpc://10.0.0.1:50051"}),
+    ({"url": "http://h:1/v1/a%20b;x=1@y"}, {"url": "http://h:1/v1/a%20b;x=1@y"}),
     ({"bootstrap": "Node-7.Example:05600"}, {"bootstrap": "node-7.example:5600"}),
     ({"bootstrap": "[0:0::1]:5600"}, {"bootstrap": "[::1]:5600"}),
     ({"bootstrap": "fe80:0::1:5600"}, {"bootstrap": "fe80::1:5600"}),

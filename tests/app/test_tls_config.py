@@ -87,6 +87,16 @@ def test_client_tls_names_the_variable_of_a_missing_file(pki: Pki) -> None:
     assert nothing.context.check_hostname
 
 
+def test_client_tls_takes_text_paths_and_a_variables_prefix(pki: Pki) -> None:
+    files = (str(pki.ca), str(pki.client_cert), str(pki.client_key))
+    env = dict(zip(("PFX_CA", "PFX_CERT", "PFX_KEY"), files, strict=True))
+    by_prefix = ClientTLS.from_env("PFX", env)
+    assert (by_prefix.ca, by_prefix.cert, by_prefix.key) == tuple(map(Path, files))
+    assert by_prefix.key_name == "PFX_KEY"
+    assert ClientTLS(*files).cert == pki.client_cert
+    assert ClientTLS(*files).context.verify_mode == ssl.CERT_REQUIRED
+
+
 def test_a_refused_connection_is_weather_not_a_tls_failure() -> None:
     with pytest.raises(httpx.ConnectError) as info:
         httpx.get("https://127.0.0.1:1/", timeout=2)

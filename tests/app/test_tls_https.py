@@ -124,6 +124,13 @@ def test_the_cli_names_the_url_and_the_flag_on_a_wrong_ca(
     assert right.returncode == 0, right.stderr
     assert "no groups" in right.stdout
     assert "tokens:" not in right.stdout  # a reader does not see the tokens generation
+    # http:// to the TLS port: the server closes without an answer; the message says why.
+    plain = f"http://{server.host}:{server.port}"
+    cmd = [sys.executable, "-m", "app", "status", "--url", plain, "--token", READER]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot reach {plain}" in done.stderr, done.stderr
+    assert "likely speaks TLS there; use https://" in done.stderr, done.stderr
 
 
 def _read_all(conn: ssl.SSLSocket | socket.socket, deadline_s: float) -> bytes:

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.server.settings import Settings
 from harness.etcd import ETCDCTL_BIN, EtcdCluster
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
@@ -288,6 +289,28 @@ def test_watchers_past_the_limit_are_refused_with_503(bounded: RegistryProcess) 
         finally:
             for stream in streams:
                 stream.close()
+
+
+def test_the_default_watch_limit_leaves_half_the_connections_to_requests(tmp_path: Path) -> None:
+    args = [*FAST, "--max-connections", "16"]  # no --watch-max: the default, half
+    with (
+        RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", args=args) as proc,
+        httpx.Client(base_url=proc.url, timeout=30) as c,
+    ):
+        streams = [WatchLines(c, {}) for _ in range(8)]
+        try:
+            with c.stream("GET", "/tp-groups", params={"watch": "true"}) as ninth:
+                assert ninth.status_code == 503  # not a stream: it would hold a 9th connection
+                ninth.read()
+                assert ninth.json()["code"] == "too_many_watchers"
+            with httpx.Client(base_url=proc.url, timeout=10) as other:
+                for _ in range(4):
+                    assert other.get("/metrics").status_code == 200
+        finally:
+            for stream in streams:
+                stream.close()
+    with pytest.raises(ValueError, match="must be below --max-connections 16"):
+        Settings(max_connections=16, watch_max=16)
 
 
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]

@@ -51,8 +51,21 @@ def attach_decode_side(
         model=str(model) if model else None,
     )
 
+    said: list[BaseException] = []
+
     def on_handshake(vllm_engine_id: str, planned: Handshake) -> None:
-        follower.follow(vllm_engine_id, planned)
+        # vLLM has loaded the ranks: following them for release is extra, never a reason to
+        # fail the handshake (said once per worker).
+        try:
+            follower.follow(vllm_engine_id, planned)
+        except Exception as exc:
+            if not said:
+                said.append(exc)
+                log.error(
+                    "engine-registry: cannot follow remote engines for release (%r); vLLM "
+                    "keeps them until engine_ttl, handshakes go on",
+                    exc,
+                )
         counters.handshake("registry", held() + (vllm_engine_id not in worker._remote_agents))
 
     def on_side_channel() -> None:

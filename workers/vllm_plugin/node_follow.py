@@ -9,8 +9,12 @@ socket, one JSON object a line:
   ``<runtime dir>/follow-<key>.lock`` leads; ``<key>`` hashes the registry URLs, the
   instance's group (``ENGINE_REGISTRY_GROUP``), the node (`common.node_name`) and the model.
   The runtime dir is ``$XDG_RUNTIME_DIR/engine-registry``, else
-  ``<tmp>/engine-registry-<uid>``, private to the user (0700). The kernel drops the lock when
-  its holder dies, however it dies.
+  ``/run/user/<uid>/engine-registry`` when that is the user's, else
+  ``<tmp>/engine-registry-<uid>``: private to the user (0700, not a link). The kernel drops the
+  lock when its holder dies, however it dies.
+- **Alone.** When that directory is not private (another user made the ``<tmp>`` one first), the
+  worker says so in one line and holds its own watch: the node loses the sharing, never a
+  handshake.
 - **Leader.** Binds ``follow-<key>.sock``, watches the registry (`registry_client.watch.GroupWatch`,
   filtered on the server by ``model``: the instance's ``compat["model"]``) and writes each
   event to every connected worker: a worker that connects first gets a ``SYNC`` of the groups
@@ -39,6 +43,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -64,6 +69,7 @@ WATCH_BASE_S, WATCH_CAP_S = 2.0, 16.0  # the watch's reconnects: first pause in 
 RESTART_BASE_S, RESTART_CAP_S = 2.0, 30.0  # a watch that failed (lost, refused) starts over
 ELECT_BASE_S, ELECT_CAP_S = 0.05, 1.0  # a follower that found no leader tries again
 IDLE_TIMEOUT_S, LOST_AFTER_S = 20.0, 30.0  # the watch's (docs/workers.md "Watching")
+USER_RUN = Path("/run/user")  # systemd-logind's per-user runtime directories
 
 
 class NodeFollowError(RuntimeError):
@@ -71,22 +77,40 @@ class NodeFollowError(RuntimeError):
 
 
 def runtime_dir() -> Path:
-    """``$XDG_RUNTIME_DIR/engine-registry``, else ``<tmp>/engine-registry-<uid>``: made
-    0700, and refused when it is not this user's private directory."""
+    """The node's shared directory for this user: ``$XDG_RUNTIME_DIR/engine-registry``, else
+    under ``/run/user/<uid>`` when that is this user's, else ``<tmp>/engine-registry-<uid>``;
+    made 0700. NodeFollowError when it is not this user's private directory (a name in a
+    shared ``<tmp>`` that another user took first, a link, or open to others)."""
+    uid = os.getuid()
     base = os.environ.get("XDG_RUNTIME_DIR")
+    user_run = USER_RUN / str(uid)
     if base:
         path = Path(base) / "engine-registry"
+    elif _private(user_run, uid):
+        path = user_run / "engine-registry"
     else:
-        path = Path(tempfile.gettempdir()) / f"engine-registry-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        path = Path(tempfile.gettempdir()) / f"engine-registry-{uid}"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise NodeFollowError(f"cannot make {path}: {exc.strerror}") from None
+    if not _private(path, uid):
+        info = path.lstat()
         raise NodeFollowError(
             f"{path} is not this user's private directory (owner uid {info.st_uid}, mode "
-            f"{info.st_mode & 0o777:o}): the node's workers would share their watch through "
-            "it; remove it, or set XDG_RUNTIME_DIR to a directory of this user"
+            f"{info.st_mode & 0o777:o}{', a link' if stat.S_ISLNK(info.st_mode) else ''}): "
+            "remove it, or set XDG_RUNTIME_DIR to a directory of this user"
         )
     return path
+
+
+def _private(path: Path, uid: int) -> bool:
+    """A directory itself (not a link to one), owned by ``uid``, closed to everyone else."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid and not info.st_mode & 0o077
 
 
 def node_key(settings: PluginSettings, node: str, model: str | None) -> str:
@@ -122,12 +146,23 @@ class NodeFeed:
         self._on_event = on_event
         self.model = model
         self.node = node or this_node()
-        directory = directory or runtime_dir()
-        key = node_key(settings, self.node, model)
-        self.lock_path = directory / f"follow-{key}.lock"
-        self.socket_path = directory / f"follow-{key}.sock"
         self._log = log
-        self.role = ""  # "leader" or "follower" once it has one
+        self.role = ""  # "leader", "follower" or "alone" once it has one
+        if directory is None:
+            try:
+                directory = runtime_dir()
+            except NodeFollowError as exc:  # said once; this worker watches for itself
+                log.warning(
+                    "engine-registry: node follow: %s; worker %d holds its own registry watch "
+                    "(not shared with the node's other decode workers)",
+                    exc,
+                    os.getpid(),
+                )
+        self.shared = directory is not None
+        key = node_key(settings, self.node, model)
+        where = directory or Path(os.devnull)  # unused alone: no lock, no socket
+        self.lock_path = where / f"follow-{key}.lock"
+        self.socket_path = where / f"follow-{key}.sock"
         self._stop = threading.Event()
         self._lock_fd: int | None = None
         self._server: socket.socket | None = None
@@ -155,6 +190,10 @@ class NodeFeed:
             self._lock_fd = None
 
     def _run(self) -> None:
+        if not self.shared:
+            self.role = "alone"
+            self._watch()
+            return
         election = Backoff(base_s=ELECT_BASE_S, cap_s=ELECT_CAP_S)
         while not self._stop.is_set():
             try:
@@ -170,7 +209,8 @@ class NodeFeed:
 
     def _try_lock(self) -> bool:
         if self._lock_fd is None:
-            self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW  # never a planted link
+            self._lock_fd = os.open(self.lock_path, flags, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -198,6 +238,11 @@ class NodeFeed:
         threading.Thread(
             target=self._accept, name="engine-registry-node-accept", daemon=True
         ).start()
+        self._watch()
+
+    def _watch(self) -> None:
+        """The registry's watch, each event published, until closed; started over after a
+        lost registry or a refusal."""
         restart = Backoff(base_s=RESTART_BASE_S, cap_s=RESTART_CAP_S)
         while not self._stop.is_set():
             try:

@@ -33,7 +33,7 @@ def test_vllm_router_without_the_extra_is_refused_naming_it(
     assert args.func(args) == 2
     said = capsys.readouterr().err
     assert f"--vllm-router needs {module}" in said
-    assert "pip install 'engine-registry[router-sync]'" in said
+    assert "from the checkout: .venv/bin/pip install -e '.[router-sync]'" in said
 
 
 def test_the_extra_is_not_asked_of_smg_alone(

@@ -5,6 +5,7 @@ on a fixed pause; and `Groups` knows since when the watch is blind, and why."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Iterator
@@ -75,6 +76,23 @@ def test_a_retry_after_the_error_carries_is_a_floor() -> None:
     stop = Stop(after=1)
     follow(Refusing([refused]), Groups(), stop, Backoff(base_s=0.5, cap_s=10.0))
     assert stop.pauses[0] >= 7.0
+
+
+def test_a_failure_says_what_routers_keep_within_and_past_the_grace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    groups = Groups(clock=lambda: now[0])
+    groups.apply(WatchEvent("SYNC", 3, groups=[]))
+    now[0] = 110.0
+    with caplog.at_level(logging.WARNING, logger="engine_registry.router_sync"):
+        follow(Refusing([lost()]), groups, Stop(after=1), Backoff(base_s=0.5, cap_s=10.0))
+        now[0] = 145.0  # 45 s blind: past the 30 s grace
+        follow(Refusing([lost()]), groups, Stop(after=1), Backoff(base_s=0.5, cap_s=10.0))
+    within, past = (r.getMessage() for r in caplog.records)
+    assert "routers keep the last list for 20 s more" in within, within
+    assert "keep the last list" not in past, past
+    assert "blind 45 s, past the 30 s grace: nothing is offered" in past, past
 
 
 def test_groups_say_since_when_the_watch_is_blind_and_why() -> None:

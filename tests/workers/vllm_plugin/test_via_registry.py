@@ -11,6 +11,9 @@ side channel shows as a timeout against a closed port. The real vLLM runs in the
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import tempfile
 import threading
 import time
 import uuid
@@ -25,7 +28,7 @@ import zmq
 from harness.server import RegistryProcess, free_port
 from registry_client.client import RegistryClient
 from registry_client.models import KvSpec
-from workers.vllm_plugin import metrics, release, via_registry
+from workers.vllm_plugin import decode_side, metrics, node_follow, release, via_registry
 from workers.vllm_plugin.settings import PluginSettings
 from workers.vllm_plugin.stale import StaleRemoteEngine
 
@@ -238,3 +241,74 @@ def test_counters_are_summed_across_workers(tmp_path: Path) -> None:
     assert (total.freed, total.held) == (1, 2)
     names = {m.name: m for m in metrics.Collector(tmp_path).collect()}
     assert names["engine_registry_remote_engines"].samples[0].value == 2
+
+
+def _released(worker: StandInWorker, engine_id: str, timeout_s: float) -> bool:
+    """vLLM's bookkeeping no longer maps an address to ``engine_id`` (the release happened)."""
+    deadline = time.monotonic() + timeout_s
+    while engine_id in worker._engine_by_address.values():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_runtime_dir_another_user_took_costs_the_sharing_never_a_handshake(
+    registry: RegistryProcess,
+    side: via_registry.DecodeSide,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A container: no XDG_RUNTIME_DIR, no /run/user/<uid>; the shared <tmp> is this test's.
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(node_follow, "USER_RUN", tmp_path / "no-run-user")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    taken = tmp_path / f"engine-registry-{os.getuid()}"
+    taken.mkdir(mode=0o700)  # made first by another local user: theirs (as root), else open
+    if os.getuid() == 0:
+        os.chown(taken, 65534, 65534)
+    else:
+        taken.chmod(0o777)
+    with pytest.raises(node_follow.NodeFollowError, match="not this user's private directory"):
+        node_follow.runtime_dir()
+    worker = StandInWorker()
+    assert decode_side.attach_decode_side(worker, _settings(registry), side)
+    with RegistryClient(registry.url) as client, caplog.at_level(logging.INFO):
+        first = _publish(client, "prefill-g", 1, 0.0)
+        other = _publish(client, "prefill-h", 1, 0.0)
+        worker._nixl_handshake("127.0.0.1", 1, 1, first)  # neither raises
+        worker._nixl_handshake("127.0.0.1", 2, 1, other)
+        _publish(client, "prefill-g", 1, 0.0)  # relaunched: released on the worker's own watch
+        try:
+            assert _released(worker, first, 15.0), worker._engine_by_address
+        finally:
+            worker._engine_registry_follower.close()
+    feed = worker._engine_registry_follower.feed
+    assert feed is not None
+    assert feed.role == "alone"
+    said = [r for r in caplog.records if "not this user's private directory" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert "holds its own registry watch" in said[0].getMessage()
+
+
+def test_a_follower_that_fails_never_fails_the_handshake(
+    registry: RegistryProcess,
+    side: via_registry.DecodeSide,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def broken(*_args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(release.Follower, "follow", broken)
+    worker = StandInWorker()
+    assert decode_side.attach_decode_side(worker, _settings(registry), side)
+    with RegistryClient(registry.url) as client, caplog.at_level(logging.INFO):
+        first = _publish(client, "prefill-i", 1, 0.0)
+        second = _publish(client, "prefill-j", 1, 0.0)
+        worker._nixl_handshake("127.0.0.1", 1, 1, first)
+        worker._nixl_handshake("127.0.0.1", 2, 1, second)
+    assert set(worker._engine_by_address.values()) == {first, second}
+    said = [r for r in caplog.records if "cannot follow remote engines" in r.getMessage()]
+    assert len(said) == 1
