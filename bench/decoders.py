@@ -261,7 +261,12 @@ def without(marks: list[dict[str, Any]], pids: dict[str, int], row: dict[str, An
 
 
 def one_row(store: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    env = {"REGISTRY_WATCH_MAX": str(args.streams + 256)}
+    # A watch holds a connection, and REGISTRY_WATCH_MAX must stay below the connections' cap.
+    watches = args.streams + 256
+    env = {
+        "REGISTRY_WATCH_MAX": str(watches),
+        "REGISTRY_MAX_CONNECTIONS": str(max(8192, watches + 1024)),
+    }
     log = tmp / "registry.log"
     serving = RegistryProcess(store, host=HOST, env=env, log_path=log).start(timeout_s=60)
     others = []
