@@ -17,6 +17,7 @@ from app.registry.agents import AgentsMixin, _check_reachable
 from app.registry.base import outside_group
 from app.registry.races import LOST, Lost, until_won
 from app.registry.records import AgentRecord, trusted
+from app.registry.state import GroupState
 from app.security.credentials import ACTOR
 from app.store import Compare, Put
 
@@ -37,18 +38,7 @@ class BatchesMixin(AgentsMixin):
             if state is None or not all(self._fits(state, i.rank, i.engine_id) for i in req.agents):
                 state = await self._group(gid)
             engine = state.engine
-            for i, item in enumerate(req.agents):
-                if item.rank >= engine.tp_size:
-                    raise outside_group(
-                        gid,
-                        item.rank,
-                        engine.tp_size,
-                        ("agents", i, "rank"),
-                        where=f" (agents[{i}])",
-                        after="; nothing of the batch was registered",
-                    )
-                if item.engine_id != engine.engine_id:
-                    raise await self._mismatch(state, item.rank, item.engine_id)
+            await self._check_batch(gid, state, req)
             lease = await self.store.grant_lease(ttl_s)
             now = time.time()
             actor = ACTOR.get()
@@ -104,6 +94,23 @@ class BatchesMixin(AgentsMixin):
             )
 
         return await until_won(attempt, f"Registering a batch in group {gid!r}")
+
+    async def _check_batch(self, gid: str, state: GroupState, req: RegisterAgentsRequest) -> None:
+        """Every rank of the batch in the group and of its current engine, else the first
+        that is not is refused (nothing of the batch registered)."""
+        engine = state.engine
+        for i, item in enumerate(req.agents):
+            if item.rank >= engine.tp_size:
+                raise outside_group(
+                    gid,
+                    item.rank,
+                    engine.tp_size,
+                    ("agents", i, "rank"),
+                    where=f" (agents[{i}])",
+                    after="; nothing of the batch was registered",
+                )
+            if item.engine_id != engine.engine_id:
+                raise await self._mismatch(state, item.rank, item.engine_id)
 
     async def heartbeat_agents(self, gid: str, engine_id: str, ranks: list[int]) -> Heartbeats:
         renewed = await self.renew_agents(gid, engine_id, ranks)
