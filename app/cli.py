@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -316,19 +317,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEMO = "workers.tools.demo"
+
+
+def _demo(argv: list[str]) -> int:
+    """The demo lives with the worker library (``workers.tools.demo``), which the service
+    never imports: this process becomes it (same pid, signals and exit status)."""
+    if importlib.util.find_spec(DEMO.split(".")[0]) is None:  # finds, imports nothing
+        print(
+            "engine-registry demo needs the workers extra "
+            "(pip install 'engine-registry[workers]'): no workers package",
+            file=sys.stderr,
+        )
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", DEMO, *argv])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        try:
-            from workers.tools.demo import main as demo_main  # needs torch and nixl
-        except ImportError as exc:
-            print(
-                f"engine-registry demo needs the workers extra "
-                f"(pip install 'engine-registry[workers]'): {exc}",
-                file=sys.stderr,
-            )
-            return 2
-        return demo_main(argv[1:])
+        return _demo(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -146,6 +146,19 @@ def test_the_cycle_finder_finds_a_ring() -> None:
     assert strongly_connected({"a": {"b"}, "b": set()}) == []
 
 
+def test_the_service_imports_nothing_of_the_workers() -> None:
+    """Whatever the map says: ``app`` reaches the worker library only by running it (the
+    demo is ``python -m workers.tools.demo``), never by an import."""
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in sorted(modules().items())
+        if name.split(".")[0] == "app"
+        for target in imports(path)
+        if target.split(".")[0] == "workers"
+    ]
+    assert not wrong, wrong
+
+
 def test_apps_root_holds_its_entry_points_only() -> None:
     root = sorted(p.name for p in (ROOT / "app").glob("*.py"))
     assert len(root) <= 4, root
