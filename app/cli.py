@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -13,27 +14,18 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from registry_client import settings_flags
 from registry_client.cli_flags import DEFAULT_URL, add_tls_flags, client_tls, unreachable
 
-# Flags kept from before the flags were derived from the settings' fields.
-_FLAG_ALIASES = {"store_timeout_s": ["--store-timeout"]}
+# Flags kept from before the flags were derived from the settings' fields (after their own).
+_FLAG_ALIASES = {"store_timeout_s": ["--store-timeout-s", "--store-timeout"]}
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per field of :class:`app.server.settings.Settings`; values are validated there."""
     from app.server.settings import Settings
 
-    for name, field in Settings.model_fields.items():
-        flags = [f"--{name.replace('_', '-')}", *_FLAG_ALIASES.get(name, [])]
-        env = f"REGISTRY_{name.upper()}"
-        default = "none" if field.default is None else field.default
-        text = f"{field.description or ''} ({env}, default {default})".strip()
-        if field.annotation is bool:
-            parser.add_argument(
-                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text
-            )
-        else:
-            parser.add_argument(*flags, dest=name, default=None, metavar="V", help=text)
+    settings_flags.add_flags(parser, Settings, _FLAG_ALIASES, env_shown="{}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -43,14 +35,9 @@ def _serve(args: argparse.Namespace) -> int:
     from app.server.serve import serve, server_tls
     from app.server.settings import Settings
 
-    overrides: dict[str, Any] = {
-        name: getattr(args, name)
-        for name in Settings.model_fields
-        if getattr(args, name, None) is not None
-    }
     try:
         # Its validator reads the tokens, so a bad tokens file fails here, once.
-        settings = Settings(**overrides)
+        settings = Settings(**settings_flags.given(args, Settings))
     except (ValidationError, TokenFileError) as exc:
         print(f"engine-registry: cannot start: {_first_error(exc)}", file=sys.stderr)
         return 2
@@ -339,19 +326,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEMO = "workers.tools.demo"
+
+
+def _demo(argv: list[str]) -> int:
+    """The demo lives with the worker library (``workers.tools.demo``), which the service
+    never imports: this process becomes it (same pid, signals and exit status)."""
+    if importlib.util.find_spec(DEMO.split(".")[0]) is None:  # finds, imports nothing
+        print(
+            "engine-registry demo needs the workers extra "
+            "(pip install 'engine-registry[workers]'): no workers package",
+            file=sys.stderr,
+        )
+        return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", DEMO, *argv])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        try:
-            from workers.tools.demo import main as demo_main  # needs torch and nixl
-        except ImportError as exc:
-            print(
-                f"engine-registry demo needs the workers extra "
-                f"(pip install 'engine-registry[workers]'): {exc}",
-                file=sys.stderr,
-            )
-            return 2
-        return demo_main(argv[1:])
+        return _demo(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -11,6 +11,12 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# The lease an agent asks for (``ttl_s``): whole seconds within these bounds, else the
+# registry answers 422; the service's request model and the workers' settings all use these.
+TTL_S_MIN = 5
+TTL_S_MAX = 3600
+TTL_S_DEFAULT = 30
+
 Role = Literal["prefill", "decode", "both"]
 CompatValue = str | int | float | bool
 Compat = dict[str, CompatValue]

@@ -7,8 +7,9 @@ over the default; an empty variable counts as unset. A bad value stops the start
 line per problem naming the variable (or flag), the value given and the form expected.
 
 Adding a setting is adding a field: its variable, its flag, its check and its line in
-`--help` follow. Field descriptions say what is expected; docs/configuration.md lists every
-field (a test in tests/docs holds the two together).
+`--help` follow (the flags: ``registry_client.settings_flags``, which the service's
+``engine-registry serve`` shares). Field descriptions say what is expected;
+docs/configuration.md lists every field (a test in tests/docs holds the two together).
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+from registry_client.settings_flags import add_flags, env_name, flag_names, given
+
 S = TypeVar("S", bound=BaseSettings)
+
+__all__ = ["add_flags", "describe", "env_name", "flag_names", "parse", "read_token_file"]
 
 
 def read_token_file(path: Path, variable: str) -> str:
@@ -33,19 +38,6 @@ def read_token_file(path: Path, variable: str) -> str:
     if not lines:
         raise ValueError(f"{variable} {path} is empty: put the token on its first line")
     return lines[0].strip()
-
-
-def env_name(cls: type[BaseSettings], field: str) -> str:
-    """The environment variable of `field`."""
-    return f"{cls.model_config.get('env_prefix', '')}{field}".upper()
-
-
-def flag_names(field: str, aliases: Mapping[str, Sequence[str]]) -> list[str]:
-    """A field's flags: its older spellings first (they are what the docs show), then
-    `--field-name`."""
-    names = list(aliases.get(field, ()))
-    own = f"--{field.replace('_', '-')}"
-    return names if own in names else [*names, own]
 
 
 def describe(
@@ -74,26 +66,6 @@ def describe(
     return "\n".join(lines)
 
 
-def add_flags(
-    parser: argparse.ArgumentParser,
-    cls: type[BaseSettings],
-    aliases: Mapping[str, Sequence[str]] = {},
-) -> None:
-    """One flag per field of `cls` (default None: an absent flag leaves the variable's say)."""
-    for name, info in cls.model_fields.items():
-        default = "none" if info.default is None else info.default
-        if info.is_required():
-            default = "required"
-        text = f"{info.description or ''} (${env_name(cls, name)}, default {default})"
-        flags = flag_names(name, aliases)
-        if info.annotation is bool:
-            parser.add_argument(
-                *flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text
-            )
-        else:
-            parser.add_argument(*flags, dest=name, default=None, metavar="V", help=text)
-
-
 def parse(
     cls: type[S],
     argv: Sequence[str] | None,
@@ -106,9 +78,9 @@ def parse(
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_flags(parser, cls, aliases)
     args = parser.parse_args(argv)
-    given: dict[str, Any] = {name: value for name, value in vars(args).items() if value is not None}
+    values = given(args, cls)
     try:
-        return cls(**given)
+        return cls(**values)
     except ValidationError as exc:
-        flags = {name: flag_names(name, aliases)[0] for name in given}
+        flags = {name: flag_names(name, aliases)[0] for name in values}
         parser.error("\n" + describe(exc, cls, flags=flags))

@@ -1,8 +1,8 @@
 """A rank's NIXL endpoint: its agent, its registered KV memory, and where peers reach it.
 
-Data path (`NixlEndpoint`) and control path (`Publication`, in `workers.publication`, kept
-importable from here) are separate objects, as in vLLM's connector: the first never talks
-HTTP, the second never touches NIXL.
+Data path (`NixlEndpoint`) and control path (`workers.publication`, which this module does
+not import) are separate, as in vLLM's connector: the first never talks HTTP, the second
+never touches NIXL.
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ import torch
 
 from registry_client.errors import TransferError
 from registry_client.models import Target
-from workers.publication import BatchPublication, Publication
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BatchPublication",
     "NixlEndpoint",
-    "Publication",
     "RemoteRead",
     "advertise_host",
     "check_host_for_group",

@@ -30,7 +30,6 @@ from registry_client.errors import EngineIdentityError, EngineIdMismatch
 from registry_client.models import AgentItem, KvSpec, Role
 from workers.endpoint import (
     NixlEndpoint,
-    Publication,
     advertise_host,
     check_host_for_group,
     stop_on_signals,
@@ -43,7 +42,8 @@ from workers.identity import (
     sync_engine_id,
 )
 from workers.kv import KvLayout
-from workers.node import RankPublication, publish_per_node, verdict_of
+from workers.node import RankPublication, publish_per_node
+from workers.publication import LocalFailure, Publication, verdict_of
 from workers.settings import WorkerSettings
 
 EXIT_OK, EXIT_ERROR, EXIT_IDENTITY, EXIT_REFUSED, EXIT_SUPERSEDED, EXIT_TRANSFER = range(6)
@@ -202,6 +202,27 @@ def _not_published(identity: EngineIdentity) -> bool:
     return True
 
 
+def describe_agent(
+    args: WorkerSettings,
+    registry_url: str,
+    info: RankInfo,
+    identity: EngineIdentity,
+    endpoint: NixlEndpoint,
+    kv: KvSpec,
+    hostnames: list[str],
+) -> AgentItem | LocalFailure:
+    """This rank's agent as the registry will hold it (its address: the one that routes to
+    ``registry_url``), or why it cannot be (its verdict)."""
+    try:
+        host = advertise_host(registry_url, args.advertise_host)
+        check_host_for_group(host, hostnames)
+        return AgentItem(
+            info.rank, identity.engine_id, endpoint.name, endpoint.metadata(), host, kv
+        )
+    except Exception as exc:
+        return LocalFailure(info.rank, *verdict_of(exc))
+
+
 def publish(
     args: WorkerSettings,
     client: RegistryClient,
@@ -216,6 +237,9 @@ def publish(
     """Publish this rank's agent (`args.publish`: per rank, or by its node's leader); all
     ranks agree on the outcome before anyone serves.
 
+    One way down: the agent is described first (the endpoint's name and metadata, the
+    address peers reach), then handed to the publication as a value (`workers.node`, or
+    `workers.publication` per rank), which never calls back up but for `on_superseded`.
     Every failure on one rank becomes its verdict, so the others never wait for it alone.
     `linger_s`: how long a node's leader keeps its followers' leases after it is done itself.
     """
@@ -223,19 +247,14 @@ def publish(
     dist.all_gather_object(hostnames, info.hostname, group=info.cpu_group)
     wanted = not _not_published(identity)
     what = f"agent registration for {args.group_id!r}"
+    mine = describe_agent(
+        args, client.url, info, identity, endpoint, kv, [str(h) for h in hostnames]
+    )
     if args.publish == "per-node":
-
-        def describe() -> AgentItem:
-            host = advertise_host(client.url, args.advertise_host)
-            check_host_for_group(host, [str(h) for h in hostnames])
-            return AgentItem(
-                info.rank, identity.engine_id, endpoint.name, endpoint.metadata(), host, kv
-            )
-
         return publish_per_node(
             client_factory(args),
             identity,
-            describe,
+            mine,
             node=info.node_rank,
             cpu_group=info.cpu_group,
             collective_timeout_s=args.collective_timeout_s,
@@ -247,25 +266,26 @@ def publish(
         )
     publication: Publication | None = None
     ok, cause, detail = True, "", ""
-    try:
-        host = advertise_host(client.url, args.advertise_host)
-        check_host_for_group(host, [str(h) for h in hostnames])
-        publication = Publication(
-            client_factory(args),
-            identity,
-            info.rank,
-            agent_name=endpoint.name,
-            metadata=endpoint.metadata(),
-            host=host,
-            kv=kv,
-            ttl_s=args.ttl_s,
-            on_superseded=on_superseded,
-        )
-        if wanted:
-            publication.publish()
-    except Exception as exc:
-        ok = False
-        cause, detail = verdict_of(exc)
+    if isinstance(mine, LocalFailure):
+        ok, cause, detail = False, mine.cause, mine.detail
+    else:
+        try:
+            publication = Publication(
+                client_factory(args),
+                identity,
+                mine.rank,
+                agent_name=mine.agent_name,
+                metadata=mine.agent_metadata,
+                host=mine.host,
+                kv=mine.kv,
+                ttl_s=args.ttl_s,
+                on_superseded=on_superseded,
+            )
+            if wanted:
+                publication.publish()
+        except Exception as exc:
+            ok = False
+            cause, detail = verdict_of(exc)
     try:
         agree(ok, cause, detail, group=info.cpu_group, what=what)
     except EngineIdentityError:

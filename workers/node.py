@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from registry_client.client import RegistryClient
-from registry_client.errors import EngineIdentityError, EngineIdMismatch, RegistryError
+from registry_client.errors import EngineIdentityError, EngineIdMismatch
 from registry_client.models import AgentItem
 from workers.identity import EngineIdentity, agree
-from workers.publication import BatchPublication
+from workers.publication import BatchPublication, LocalFailure, verdict_of
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +51,6 @@ class RankPublication(Protocol):
     superseded: threading.Event
 
     def close(self, *, deregister: bool = True) -> None: ...
-
-
-def verdict_of(exc: Exception) -> tuple[str, str]:
-    """A publication failure as an agreed verdict's (cause, detail)."""
-    if isinstance(exc, EngineIdMismatch):
-        return f"registry_refused:{exc.cause}", exc.detail or str(exc)
-    if isinstance(exc, RegistryError):
-        return "registry_refused", str(exc)
-    log.error("publishing the agent failed", exc_info=exc)
-    return "publish_failed", repr(exc)
 
 
 def follower_poll_s(ttl_s: float) -> float:
@@ -77,15 +67,6 @@ class NodeGroup:
     @property
     def leader(self) -> int:
         return self.ranks[0]
-
-
-@dataclass(frozen=True)
-class LocalFailure:
-    """Why a rank could not describe its agent; gathered to the leader instead of an item."""
-
-    rank: int
-    cause: str
-    detail: str
 
 
 def node_groups(node: int, *, cpu_group: Any, timeout_s: float) -> NodeGroup:
@@ -277,7 +258,7 @@ class NodeFollower:
 def publish_per_node(
     make_client: Callable[[], RegistryClient],
     identity: EngineIdentity,
-    describe: Callable[[], AgentItem],
+    mine: AgentItem | LocalFailure,
     *,
     node: int,
     cpu_group: Any,
@@ -290,16 +271,11 @@ def publish_per_node(
 ) -> RankPublication:
     """Steps 1-4 of the module doc; collective over the TP group (`cpu_group`).
 
-    `describe()` makes this rank's item (or raises: that becomes its verdict); `wanted` is
+    `mine`: this rank's item, or why it could not make one (its verdict); `wanted` is
     False when nothing is to be published (a fallback engine_id no registry knows).
     """
     group = node_groups(node, cpu_group=cpu_group, timeout_s=collective_timeout_s)
     rank = dist.get_rank()
-    mine: AgentItem | LocalFailure
-    try:
-        mine = describe()
-    except Exception as exc:
-        mine = LocalFailure(rank, *verdict_of(exc))
     gathered = gather_items(group, mine)
     leader: NodeLeader | None = None
     ok, cause, detail = True, "", ""

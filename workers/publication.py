@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from registry_client.backoff import Backoff
 from registry_client.client import RegistryClient
@@ -41,6 +42,25 @@ from registry_client.models import AgentItem, EngineIdentity, KvSpec
 from workers.keepalive import KeepAliveStream
 
 log = logging.getLogger(__name__)
+
+
+def verdict_of(exc: Exception) -> tuple[str, str]:
+    """A publication failure as an agreed verdict's (cause, detail)."""
+    if isinstance(exc, EngineIdMismatch):
+        return f"registry_refused:{exc.cause}", exc.detail or str(exc)
+    if isinstance(exc, RegistryError):
+        return "registry_refused", str(exc)
+    log.error("publishing the agent failed", exc_info=exc)
+    return "publish_failed", repr(exc)
+
+
+@dataclass(frozen=True)
+class LocalFailure:
+    """Why a rank could not describe its agent; gathered to the leader instead of an item."""
+
+    rank: int
+    cause: str
+    detail: str
 
 
 class LeaseKeeper:

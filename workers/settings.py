@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from registry_client.models import TTL_S_DEFAULT, TTL_S_MAX, TTL_S_MIN
 from registry_client.tls import ClientTLS
 from workers import config
 
@@ -56,7 +57,12 @@ class WorkerSettings(BaseSettings):
     head_size: int = Field(64, ge=1, description="an integer >= 1")
     dtype: str = Field("float16", description="a 2-byte torch dtype (float16, bfloat16)")
     device: str = Field("cpu", description="cpu (DRAM, gloo) or cuda (VRAM, NCCL)")
-    ttl_s: int = Field(30, ge=5, le=3600, description="the agent lease: whole seconds, 5-3600")
+    ttl_s: int = Field(
+        TTL_S_DEFAULT,
+        ge=TTL_S_MIN,
+        le=TTL_S_MAX,
+        description=f"the agent lease: whole seconds, {TTL_S_MIN}-{TTL_S_MAX}",
+    )
     timeout_s: float = Field(30.0, gt=0, description="each registry call's deadline: seconds > 0")
     collective_timeout_s: float = Field(
         120.0, gt=0, description="torch.distributed's collective timeout: seconds > 0"

@@ -28,6 +28,7 @@ from app.core.addresses import (
     unspecified,
 )
 from app.core.budgets import MAX_TEXT, too_long
+from registry_client.models import TTL_S_DEFAULT, TTL_S_MAX, TTL_S_MIN
 
 GROUP_ID_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,62}[a-z0-9])?$"
 # The engine ids this registry issues (UUIDs) and a client may name in a path: URL-unreserved
@@ -142,7 +143,7 @@ class RegisterAgentRequest(_Request):
     agent_metadata: Annotated[str, StringConstraints(min_length=1)]
     host: Annotated[str, StringConstraints(min_length=1, max_length=MAX_HOST)]
     kv: KvDescription
-    ttl_s: Annotated[StrictInt, Field(ge=5, le=3600)] = 30
+    ttl_s: Annotated[StrictInt, Field(ge=TTL_S_MIN, le=TTL_S_MAX)] = TTL_S_DEFAULT
 
     @field_validator("agent_metadata")
     @classmethod

@@ -21,8 +21,8 @@ from app.registry.base import RegistryBase
 from app.registry.batches import BatchesMixin
 from app.registry.engines import EnginesMixin
 from app.registry.handshakes import HandshakesMixin
+from app.registry.races import MAX_ATTEMPTS
 from app.registry.records import (
-    MAX_ATTEMPTS,
     AgentRecord,
     Decoded,
     EngineRecord,

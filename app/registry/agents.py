@@ -9,7 +9,6 @@ from app.core.errors import (
     FieldPath,
     FieldProblem,
     InvalidRequest,
-    StoreUnavailable,
 )
 from app.core.schemas import (
     Agent,
@@ -19,7 +18,8 @@ from app.core.schemas import (
 )
 from app.core.timefmt import utc_iso
 from app.registry import keys
-from app.registry.records import MAX_ATTEMPTS, AgentRecord, trusted
+from app.registry.races import LOST, Lost, until_won
+from app.registry.records import AgentRecord, trusted
 from app.registry.renewals import RenewalsMixin
 from app.security.credentials import ACTOR
 from app.store import Compare, Delete, Put
@@ -33,7 +33,8 @@ class AgentsMixin(RenewalsMixin):
     ) -> tuple[Agent, bool]:
         _check_reachable(req.host, client_host)
         blob = blob_of(req.agent_metadata)
-        for _ in range(MAX_ATTEMPTS):
+
+        async def attempt() -> tuple[Agent, bool] | Lost:
             state = await self._current(gid, rank, req.engine_id, writing=True)
             old = state.agents.get(rank)
             lease = await self.store.grant_lease(req.ttl_s)
@@ -63,11 +64,12 @@ class AgentsMixin(RenewalsMixin):
             )
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
-                continue
+                return LOST
             self.decoded.remember(keys.agent(gid, rank), result.revision, record, len(value))
             await self.release_leases(state, {rank})
             return self._agent_view(record, now + lease.remaining_s), old is None
-        raise StoreUnavailable(f"Registering rank {rank} of {gid!r} lost too many races.")
+
+        return await until_won(attempt, f"Registering rank {rank} of {gid!r}")
 
     @classmethod
     def _agent_view(cls, record: AgentRecord, expires_at: float) -> Agent:
@@ -96,7 +98,7 @@ class AgentsMixin(RenewalsMixin):
         return Heartbeat.model_construct(expires_at=utc_iso(time.time() + lease.remaining_s))
 
     async def deregister(self, gid: str, rank: int, engine_id: str) -> None:
-        for _ in range(MAX_ATTEMPTS):
+        async def attempt() -> Lost | None:
             state = await self._current(gid, rank, engine_id, writing=True)
             if rank not in state.agents:  # an answer: decided on durable state
                 state = await self._current(gid, rank, engine_id)
@@ -107,11 +109,12 @@ class AgentsMixin(RenewalsMixin):
                 [Compare(keys.agent(gid, rank), state.agent_revisions[rank])],
                 [Delete(keys.agent(gid, rank)), Delete(keys.blob(gid, rank))],
             )
-            if result.succeeded:
-                await self.release_leases(state, {rank})
-                return
-            # The rank was registered again meanwhile: deregister what is there now.
-        raise StoreUnavailable(f"Deregistering rank {rank} of {gid!r} lost too many races.")
+            if not result.succeeded:
+                return LOST  # registered again meanwhile: deregister what is there now
+            await self.release_leases(state, {rank})
+            return None
+
+        await until_won(attempt, f"Deregistering rank {rank} of {gid!r}")
 
 
 def _check_reachable(host: str, client_host: str | None, field: FieldPath = ("host",)) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 
-from app.core.errors import StoreUnavailable
 from app.core.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest, blob_of
 from app.core.timefmt import utc_iso
 from app.registry import keys
 from app.registry.agents import AgentsMixin, _check_reachable
 from app.registry.base import outside_group
-from app.registry.records import MAX_ATTEMPTS, AgentRecord, trusted
+from app.registry.races import LOST, Lost, until_won
+from app.registry.records import AgentRecord, trusted
+from app.registry.state import GroupState
 from app.security.credentials import ACTOR
 from app.store import Compare, Put
 
@@ -29,25 +30,15 @@ class BatchesMixin(AgentsMixin):
             _check_reachable(item.host, client_host, ("agents", i, "host"))
         blobs = [blob_of(item.agent_metadata) for item in req.agents]
         ttl_s = req.agents[0].ttl_s
-        for _ in range(MAX_ATTEMPTS):
+
+        async def attempt() -> Agents | Lost:
             # As one registration (``_current(writing=True)``): decided on pending changes,
             # refused only on durable state.
             state = await self._group_or_none(gid, settled=False)
             if state is None or not all(self._fits(state, i.rank, i.engine_id) for i in req.agents):
                 state = await self._group(gid)
             engine = state.engine
-            for i, item in enumerate(req.agents):
-                if item.rank >= engine.tp_size:
-                    raise outside_group(
-                        gid,
-                        item.rank,
-                        engine.tp_size,
-                        ("agents", i, "rank"),
-                        where=f" (agents[{i}])",
-                        after="; nothing of the batch was registered",
-                    )
-                if item.engine_id != engine.engine_id:
-                    raise await self._mismatch(state, item.rank, item.engine_id)
+            await self._check_batch(gid, state, req)
             lease = await self.store.grant_lease(ttl_s)
             now = time.time()
             actor = ACTOR.get()
@@ -88,7 +79,7 @@ class BatchesMixin(AgentsMixin):
             result = await self.store.txn(compares, ops)
             if not result.succeeded:
                 await self.store.revoke_lease(lease.id)
-                continue
+                return LOST
             for record, value in zip(records, values, strict=True):
                 self.decoded.remember(
                     keys.agent(gid, record.rank), result.revision, record, len(value)
@@ -101,7 +92,25 @@ class BatchesMixin(AgentsMixin):
                 created_ranks=sorted(batch - state.agents.keys()),
                 replaced_ranks=sorted(batch & state.agents.keys()),
             )
-        raise StoreUnavailable(f"Registering a batch in group {gid!r} lost too many races.")
+
+        return await until_won(attempt, f"Registering a batch in group {gid!r}")
+
+    async def _check_batch(self, gid: str, state: GroupState, req: RegisterAgentsRequest) -> None:
+        """Every rank of the batch in the group and of its current engine, else the first
+        that is not is refused (nothing of the batch registered)."""
+        engine = state.engine
+        for i, item in enumerate(req.agents):
+            if item.rank >= engine.tp_size:
+                raise outside_group(
+                    gid,
+                    item.rank,
+                    engine.tp_size,
+                    ("agents", i, "rank"),
+                    where=f" (agents[{i}])",
+                    after="; nothing of the batch was registered",
+                )
+            if item.engine_id != engine.engine_id:
+                raise await self._mismatch(state, item.rank, item.engine_id)
 
     async def heartbeat_agents(self, gid: str, engine_id: str, ranks: list[int]) -> Heartbeats:
         renewed = await self.renew_agents(gid, engine_id, ranks)

@@ -10,7 +10,6 @@ from app.core.budgets import clip
 from app.core.errors import (
     GroupConflict,
     LaunchSuperseded,
-    StoreUnavailable,
 )
 from app.core.schemas import (
     Engine,
@@ -19,7 +18,8 @@ from app.core.schemas import (
 from app.core.timefmt import utc_iso
 from app.registry import keys
 from app.registry.base import RegistryBase
-from app.registry.records import MAX_ATTEMPTS, EngineRecord, IndexRecord
+from app.registry.races import LOST, Lost, until_won
+from app.registry.records import EngineRecord, IndexRecord
 from app.registry.state import GroupState
 from app.security.credentials import ACTOR
 from app.store import Compare, Delete, Put, Unavailable
@@ -35,7 +35,8 @@ class EnginesMixin(RegistryBase):
             opened = await self._open_as_seen(gid, req)
             if opened is not None:
                 return opened, True
-        for _ in range(MAX_ATTEMPTS):
+
+        async def attempt() -> tuple[Engine, bool] | Lost:
             snap = await self.store.range(keys.group_prefix(gid))
             state = GroupState.read(snap, gid, self.decoded)
             if state is not None and state.engine.launch_id == req.launch_id:
@@ -44,7 +45,7 @@ class EnginesMixin(RegistryBase):
             launch_key = _launch_key(gid, req.launch_id)
             launch = await self.store.get(launch_key)
             if launch is not None and launch.mod_revision > snap.revision:
-                continue  # a concurrent open wrote it after our read: re-read, maybe it's ours
+                return LOST  # a concurrent open wrote it after our read: re-read, maybe ours
             if launch is not None:
                 seen = IndexRecord.model_validate_json(launch.value)
                 current_gen = state.engine.generation if state else seen.generation
@@ -64,9 +65,9 @@ class EnginesMixin(RegistryBase):
                 state.engine_revision if state else 0,
                 [a.lease for a in state.agents.values()] if state else [],
             )
-            if opened is not None:
-                return opened, True
-        raise StoreUnavailable(f"Opening an engine for group {gid!r} lost too many races.")
+            return LOST if opened is None else (opened, True)
+
+        return await until_won(attempt, f"Opening an engine for group {gid!r}")
 
     async def _open_as_seen(self, gid: str, req: OpenEngineRequest) -> Engine | None:
         """A new launch decided on the replica's watch feed instead of two reads of the store
@@ -172,7 +173,7 @@ class EnginesMixin(RegistryBase):
             )
 
     async def delete_group(self, gid: str) -> None:
-        for _ in range(MAX_ATTEMPTS):
+        async def attempt() -> Lost | None:
             state = await self._group(gid)
             launches = await self.store.range(f"launches/{gid}/")
             engine_ids = {
@@ -186,11 +187,13 @@ class EnginesMixin(RegistryBase):
                 *(Delete(f"engines/{eid}") for eid in sorted(engine_ids) if eid),
             ]
             result = await self.store.txn([Compare(keys.engine(gid), state.engine_revision)], ops)
-            if result.succeeded:
-                self.decoded.forget(gid)  # nothing is kept for a group that is gone
-                self.events.forget_engines(engine_ids)
-                return
-        raise StoreUnavailable(f"Deleting group {gid!r} lost too many races.")
+            if not result.succeeded:
+                return LOST
+            self.decoded.forget(gid)  # nothing is kept for a group that is gone
+            self.events.forget_engines(engine_ids)
+            return None
+
+        await until_won(attempt, f"Deleting group {gid!r}")
 
 
 def _launch_key(gid: str, launch_id: str) -> str:

@@ -14,10 +14,6 @@ from app.core.schemas import (
 )
 from app.store import Entry
 
-# Optimistic transactions retry this often before giving up with 503 (never reached in
-# practice: each retry means another writer made progress).
-MAX_ATTEMPTS = 200
-
 R = TypeVar("R", bound=BaseModel)
 
 

@@ -166,3 +166,17 @@ def test_a_made_up_place_in_the_order_is_refused(registry: RegistryProcess) -> N
         assert r.status_code == 422, (after, r.text)
     r = httpx.get(f"{registry.url}/status", params={"limit": 501}, timeout=30)
     assert r.status_code == 422, r.text
+
+
+def test_the_page_says_how_it_stays_current(registry: RegistryProcess) -> None:
+    """The script follows the watch stream (no polling period); without it the page reloads
+    at its ``<noscript>`` meta refresh: the text names that period, and no other."""
+    page = httpx.get(f"{registry.url}/status", timeout=30).text
+    reload = re.search(r'<noscript><meta http-equiv="refresh" content="(\d+)">', page)
+    assert reload is not None, page[:600]
+    stamp = re.search(r'<p id="stamp">(.*?)</p>', page, re.S)
+    assert stamp is not None
+    said = " ".join(stamp.group(1).split())
+    assert "Follows the registry's changes as they come" in said, said
+    assert f"reloads every {reload.group(1)} s" in said, said
+    assert "Refreshes every" not in said, said

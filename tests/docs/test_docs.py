@@ -396,8 +396,8 @@ def server_codes() -> dict[str, tuple[int, str]]:
 
 
 def http_problem_codes() -> set[str]:
-    """The codes app/main.py gives HttpProblem (wrong method, other HTTP errors, failures)."""
-    tree = ast.parse((ROOT / "app" / "main.py").read_text())
+    """The codes app/api/handlers.py gives HttpProblem (wrong method, other HTTP errors)."""
+    tree = ast.parse((ROOT / "app" / "api" / "handlers.py").read_text())
     codes: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(
@@ -433,7 +433,7 @@ def test_api_reference_has_a_row_for_every_error_code_with_its_status() -> None:
             problems.append(f"`{code}` ({where}): the table says {row[1]}, the code {status}")
     http_codes = http_problem_codes()
     for code in sorted(http_codes - rows.keys()):
-        problems.append(f"`{code}` (app/main.py HttpProblem): no row in the error table")
+        problems.append(f"`{code}` (app/api/handlers.py HttpProblem): no row in the error table")
     for code in sorted(rows.keys() - codes.keys() - http_codes):
         problems.append(f"`{code}` is in the error table but no code answers it")
     assert not problems, f"{rel(API_MD)} error table vs the code:\n" + "\n".join(problems)

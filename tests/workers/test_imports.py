@@ -67,3 +67,33 @@ def test_the_torch_free_parts_import_neither_torch_nixl_nor_numpy() -> None:
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# A worker's publication, top to bottom: the entrypoints' launch, the per-node publication,
+# the lease keepers, the keep-alive stream. The endpoint (NIXL's data path) is beside them:
+# launch describes the agent with it, then hands the description down as a value.
+PUBLICATION_LAYERS = ["launch", "node", "publication", "keepalive"]
+
+
+def test_a_publication_goes_one_way_down() -> None:
+    upward = []
+    for i, name in enumerate(PUBLICATION_LAYERS):
+        above = {f"workers.{m}" for m in PUBLICATION_LAYERS[:i]}
+        if name != "launch":
+            above.add("workers.endpoint")  # only launch reaches the data path
+        found = imported(ROOT / "workers" / f"{name}.py")
+        upward += [f"workers.{name} imports {n}" for n in sorted(found & above)]
+    endpoint = imported(ROOT / "workers" / "endpoint.py")
+    upward += [
+        f"workers.endpoint imports {n}"
+        for n in sorted(endpoint)
+        if n in {f"workers.{m}" for m in PUBLICATION_LAYERS}
+    ]
+    assert not upward, upward
+    # The node's publication takes this rank's agent as a value, not a callback into launch.
+    tree = ast.parse((ROOT / "workers" / "node.py").read_text())
+    per_node = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "publish_per_node"
+    )
+    hints = [ast.unparse(a.annotation) for a in per_node.args.args if a.annotation is not None]
+    assert not [h for h in hints if "Callable[[], AgentItem]" in h], hints

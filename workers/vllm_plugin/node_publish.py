@@ -34,8 +34,7 @@ from registry_client.client import RegistryClient
 from registry_client.errors import EngineIdentityError
 from registry_client.models import AgentItem, EngineIdentity
 from workers.identity import agree
-from workers.node import LocalFailure, verdict_of
-from workers.publication import BatchPublication
+from workers.publication import BatchPublication, LocalFailure, verdict_of
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from registry_client.models import Role
+from registry_client.models import TTL_S_DEFAULT, TTL_S_MAX, TTL_S_MIN, Role
 from registry_client.tls import VARS_OF_PLUGIN, ClientTLS
 from workers.config import describe, read_token_file
 from workers.vllm_plugin.activation import ENV_URL as ENV_URL
@@ -50,7 +50,12 @@ class PluginSettings(BaseSettings):
         None, description="a file whose first line is the token (read when no token is set)"
     )
     role: Role | None = Field(None, description="prefill, decode or both")
-    ttl_s: int = Field(30, ge=5, le=3600, description="the agent lease: whole seconds, 5-3600")
+    ttl_s: int = Field(
+        TTL_S_DEFAULT,
+        ge=TTL_S_MIN,
+        le=TTL_S_MAX,
+        description=f"the agent lease: whole seconds, {TTL_S_MIN}-{TTL_S_MAX}",
+    )
     timeout_s: float = Field(
         30.0, gt=0, le=3600, description="each registry call's deadline at start: seconds > 0"
     )

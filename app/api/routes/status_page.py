@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from app.api.deps import RegistryDep, answer
-from app.api.status_html import AFTER_PATTERN, CSP, MAX_PAGE_GROUPS, PAGE_GROUPS, Filters, render
+from app.api.status_html import (
+    AFTER_PATTERN,
+    CSP,
+    MAX_PAGE_GROUPS,
+    PAGE_GROUPS,
+    TEMPLATES,
+    Filters,
+    page_context,
+)
 from app.registry.events import Events
 
 router = APIRouter(tags=["status"])
@@ -22,6 +30,7 @@ EVENTS_ON_PAGE = 50
     responses={200: {"content": {"text/html": {}}}},
 )
 async def status_page(
+    request: Request,
     registry: RegistryDep,
     role: Annotated[Literal["", "prefill", "decode", "both"], Query()] = "",
     state: Annotated[Literal["", "ready", "not_ready"], Query()] = "",
@@ -38,10 +47,13 @@ async def status_page(
 ) -> Response:
     states = await registry.refresh_gauges()
     events = await registry.events.read(limit=EVENTS_ON_PAGE)
-    page = render(states, events.events, registry.observer, Filters(role, state, limit, after))
-    return Response(
+    page = page_context(
+        states, events.events, registry.observer, Filters(role, state, limit, after)
+    )
+    return TEMPLATES.TemplateResponse(
+        request,
+        "status.html",
         page,
-        media_type="text/html; charset=utf-8",
         headers={
             "content-security-policy": CSP,
             "cache-control": "no-store",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -133,144 +134,203 @@ async def follow(
             key=fence, range_end=prefix_range_end(key), start_revision=start_revision
         )
     )
-
-    async def open_stream(client: aetcd.Client, seconds: float) -> Any:
-        stream = rpc.WatchStub(client.channel).Watch()
-        try:
-            async with asyncio.timeout(seconds):
-                await stream.write(create)
-                first = await stream.read()
-        except BaseException:
-            stream.cancel()
-            raise
-        if first is grpc.aio.EOF:
-            stream.cancel()
-            raise ConnectionError("the watch stream ended before it was created")
-        if first.compact_revision:
-            stream.cancel()
-            raise Compacted(int(first.compact_revision))
-        if first.canceled:
-            stream.cancel()
-            raise ConnectionError(f"etcd cancelled the watch: {first.cancel_reason}")
-        return stream
-
-    stream = await call("watch", open_stream)
+    stream = await call("watch", functools.partial(_open_stream, create))
     inbox = inbox or Inbox(QUEUE_LIMIT)
     ask = PROGRESS_REQUEST
     put_fence = rpc.PutRequest(key=fence, value=b"")
-
-    async def pump() -> None:
-        try:
-            while True:
-                response = await stream.read()
-                await inbox.put(response)
-                if response is grpc.aio.EOF:
-                    return
-        except Exception as exc:  # the stream broke: the reader raises it
-            await inbox.put(exc)
-
-    async def nudged() -> None:
-        while nudge is not None:
-            await nudge.wait()
-            nudge.clear()
-            inbox.nudge()
-
-    async def write_fence() -> None:
-        async def put(client: aetcd.Client, seconds: float) -> int:
-            reply = await client.kvstub.Put(put_fence, timeout=seconds)
-            return int(reply.header.revision)
-
-        try:
-            inbox.note(_Note(revision=await call("watch fence", put)))
-        except Exception as exc:
-            inbox.note(_Note(error=exc))
-
-    tasks = [asyncio.create_task(pump()), asyncio.create_task(nudged())]
+    tasks = [
+        asyncio.create_task(_pump(stream, inbox)),
+        asyncio.create_task(_forward_nudges(nudge, inbox)),
+    ]
     loop = asyncio.get_running_loop()
-    delivered = start_revision - 1  # every change up to it has been yielded
-    asked = False  # a progress request is unanswered
-    hint = 0  # etcd's revision as a progress answer told it, not yet proven
-    hint_at = 0.0
-    fencing = False  # a fence is being written
-    fenced = 0  # a fence written, not yet delivered
-    again = False  # a nudge came while a check was under way
+    proof = _Proof(start_revision, progress_s, fence_grace_s)
     try:
         while True:
-            timeout = progress_s
-            if hint and not fencing and not fenced:
-                timeout = max(0.0, hint_at + fence_grace_s - loop.time())
             try:
-                item = await asyncio.wait_for(inbox.get(), timeout)
+                item = await asyncio.wait_for(inbox.get(), proof.wait_s(loop.time()))
             except TimeoutError:
-                if hint and not fencing and not fenced:
-                    item = None  # no event reached the hint in time: prove it with a fence
-                elif fenced:
-                    raise Unavailable(
-                        f"etcd's watch did not deliver the fence written at revision {fenced} "
-                        f"within {progress_s:g} s"
-                    ) from None
-                elif fencing:
-                    continue  # the write has its own deadline
-                elif asked:  # no answer (etcd issue 17507, or a stuck member): fence
-                    asked = False
-                    item = None
-                else:  # quiet for progress_s: ask
+                step = proof.quiet()
+                if step == _ASK:
                     await stream.write(ask)
-                    asked = True
-                    continue
-                fencing = True
-                hint = 0
-                tasks[2:] = [asyncio.create_task(write_fence())]  # the one before is done
+                elif step == _FENCE:
+                    fencing = _write_fence(call, put_fence, inbox)
+                    tasks[2:] = [asyncio.create_task(fencing)]  # the one before is done
                 continue
             if item is _NUDGED:
-                if asked or hint or fencing or fenced:
-                    again = True
-                else:
+                if proof.nudged():
                     await stream.write(ask)
-                    asked = True
                 continue
-            if isinstance(item, _Note):
-                fencing = False
-                if item.error is not None:
-                    raise Unavailable(
-                        f"etcd's watch could not write its progress fence: {item.error}"
-                    ) from item.error
-                if item.revision > delivered:
-                    fenced = item.revision
-                item = None  # a check may be done: see below
-            elif isinstance(item, Exception):
-                raise Unavailable(f"etcd's watch stream broke: {item!r}") from item
-            elif item is grpc.aio.EOF:
-                raise Unavailable("etcd ended the watch stream")
-            elif item.compact_revision:
-                raise Compacted(int(item.compact_revision))
-            elif item.canceled:
-                raise Unavailable(f"etcd cancelled the watch: {item.cancel_reason}")
-            elif not item.events:  # an answer to a progress request: a hint
-                asked = False
-                revision = int(item.header.revision)
-                if revision > delivered and revision > hint:
-                    hint, hint_at = revision, loop.time()
-                elif not hint and not fencing and not fenced:
-                    yield ChangeBatch(delivered, ())  # alive, and nothing to prove
-            else:
-                for batch in _batches(item.events, len(root), prefix):
-                    delivered = batch.revision
-                    yield batch
-            if hint and delivered >= hint:
-                hint = 0
-            if fenced and delivered >= fenced:
-                fenced = 0
-            if again and not (asked or hint or fencing or fenced):
-                again = False
+            for batch in proof.take(item, loop.time(), len(root), prefix):
+                yield batch
+            if proof.settle():
                 await stream.write(ask)
-                asked = True
     finally:
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         stream.cancel()
+
+
+async def _open_stream(create: Any, client: aetcd.Client, seconds: float) -> Any:
+    """A Watch stream of ``client``'s, created with ``create``, or what refused it."""
+    stream = rpc.WatchStub(client.channel).Watch()
+    try:
+        async with asyncio.timeout(seconds):
+            await stream.write(create)
+            first = await stream.read()
+    except BaseException:
+        stream.cancel()
+        raise
+    if first is grpc.aio.EOF:
+        stream.cancel()
+        raise ConnectionError("the watch stream ended before it was created")
+    if first.compact_revision:
+        stream.cancel()
+        raise Compacted(int(first.compact_revision))
+    if first.canceled:
+        stream.cancel()
+        raise ConnectionError(f"etcd cancelled the watch: {first.cancel_reason}")
+    return stream
+
+
+async def _pump(stream: Any, inbox: Inbox) -> None:
+    """gRPC's responses into the inbox, in order (waiting for room), then EOF or the error."""
+    try:
+        while True:
+            response = await stream.read()
+            await inbox.put(response)
+            if response is grpc.aio.EOF:
+                return
+    except Exception as exc:  # the stream broke: the reader raises it
+        await inbox.put(exc)
+
+
+async def _forward_nudges(nudge: asyncio.Event | None, inbox: Inbox) -> None:
+    while nudge is not None:
+        await nudge.wait()
+        nudge.clear()
+        inbox.nudge()
+
+
+async def _write_fence(call: Call, put_fence: Any, inbox: Inbox) -> None:
+    """Write the fence; its revision (or why not) goes to the inbox as a note."""
+
+    async def put(client: aetcd.Client, seconds: float) -> int:
+        reply = await client.kvstub.Put(put_fence, timeout=seconds)
+        return int(reply.header.revision)
+
+    try:
+        inbox.note(_Note(revision=await call("watch fence", put)))
+    except Exception as exc:
+        inbox.note(_Note(error=exc))
+
+
+_ASK, _FENCE = "ask", "fence"  # what a quiet stream does next (``_Proof.quiet``)
+
+
+class _Proof:
+    """What ``follow`` knows of the stream's progress (module doc): every change up to
+    ``delivered`` yielded; a progress request unanswered (``asked``); etcd's revision as an
+    answer told it, not yet proven (``hint``, at ``hint_at``); a fence being written
+    (``fencing``) or written at ``fenced`` and not yet delivered; a nudge that came while a
+    check was under way (``again``)."""
+
+    def __init__(self, start_revision: int, progress_s: float, fence_grace_s: float) -> None:
+        self.progress_s = progress_s
+        self.fence_grace_s = fence_grace_s
+        self.delivered = start_revision - 1
+        self.asked = False
+        self.hint = 0
+        self.hint_at = 0.0
+        self.fencing = False
+        self.fenced = 0
+        self.again = False
+
+    def _checking(self) -> bool:
+        return bool(self.asked or self.hint or self.fencing or self.fenced)
+
+    def _hint_waits(self) -> bool:
+        return bool(self.hint and not self.fencing and not self.fenced)
+
+    def wait_s(self, now: float) -> float:
+        """How long to wait for the next item: a hint's grace, else ``progress_s``."""
+        if self._hint_waits():
+            return max(0.0, self.hint_at + self.fence_grace_s - now)
+        return self.progress_s
+
+    def quiet(self) -> str | None:
+        """Nothing came in time: ``_ASK`` for progress, ``_FENCE`` (write one), or None
+        (the fence's write has its own deadline); a fence not delivered raises."""
+        if self._hint_waits():
+            pass  # no event reached the hint in time: prove it with a fence
+        elif self.fenced:
+            raise Unavailable(
+                f"etcd's watch did not deliver the fence written at revision {self.fenced} "
+                f"within {self.progress_s:g} s"
+            )
+        elif self.fencing:
+            return None
+        elif self.asked:  # no answer (etcd issue 17507, or a stuck member): fence
+            self.asked = False
+        else:  # quiet for progress_s: ask
+            self.asked = True
+            return _ASK
+        self.fencing = True
+        self.hint = 0
+        return _FENCE
+
+    def nudged(self) -> bool:
+        """A reader waits for a revision: True to ask for progress now."""
+        if self._checking():
+            self.again = True
+            return False
+        self.asked = True
+        return True
+
+    def take(self, item: Any, now: float, cut: int, prefix: str) -> list[ChangeBatch]:
+        """What one item of the inbox yields (a fence's note, a response, an error)."""
+        if isinstance(item, _Note):
+            self.fencing = False
+            if item.error is not None:
+                raise Unavailable(
+                    f"etcd's watch could not write its progress fence: {item.error}"
+                ) from item.error
+            if item.revision > self.delivered:
+                self.fenced = item.revision
+            return []  # a check may be done: see settle
+        if isinstance(item, Exception):
+            raise Unavailable(f"etcd's watch stream broke: {item!r}") from item
+        if item is grpc.aio.EOF:
+            raise Unavailable("etcd ended the watch stream")
+        if item.compact_revision:
+            raise Compacted(int(item.compact_revision))
+        if item.canceled:
+            raise Unavailable(f"etcd cancelled the watch: {item.cancel_reason}")
+        if not item.events:  # an answer to a progress request: a hint
+            self.asked = False
+            revision = int(item.header.revision)
+            if revision > self.delivered and revision > self.hint:
+                self.hint, self.hint_at = revision, now
+            elif not self.hint and not self.fencing and not self.fenced:
+                return [ChangeBatch(self.delivered, ())]  # alive, and nothing to prove
+            return []
+        batches = _batches(item.events, cut, prefix)
+        if batches:
+            self.delivered = batches[-1].revision
+        return batches
+
+    def settle(self) -> bool:
+        """After an item: drop what the stream proved; True to ask for a nudge that waited."""
+        if self.hint and self.delivered >= self.hint:
+            self.hint = 0
+        if self.fenced and self.delivered >= self.fenced:
+            self.fenced = 0
+        if self.again and not self._checking():
+            self.again = False
+            self.asked = True
+            return True
+        return False
 
 
 def _batches(events: Any, cut: int, prefix: str) -> list[ChangeBatch]:
