@@ -10,10 +10,12 @@ transaction (group commit); the request answers only after its change is in the 
 A reader never sees what is not yet durable: reading a key whose latest change is on its way
 to the file waits for that commit (bounded by the store timeout). A failed commit (full or
 read-only disk) fails the changes after it, the store answers 503 naming the cause, and the
-next request reloads memory from the file, which recovers once the disk does. A file deleted
-or replaced under the process stops the store for good, loudly (checked before every commit
-and sweep). Leases use the wall clock (``time.time``), persisted as instants, so a lease
-outlives a restart with its remaining time intact.
+next request reloads memory from the file, which recovers once the disk does. The reload keeps
+every renewal already answered (memory's later expiry wins; written once the disk takes it),
+issues the failed revisions again, and credits the time the store refused to serve to the
+leases, as a stall. A file deleted or replaced under the process stops the store for good,
+loudly (checked before every commit and sweep). Leases run on the monotonic lease clock,
+persisted as wall-clock instants, so a lease outlives a restart with its remaining time intact.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
+from app.store import lease_clock
 from app.store.base import Compare, Entry, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.lease_clock import (
     Credits,
@@ -87,6 +90,7 @@ class SqliteStore(LeasesMixin, Store):
         self._dirty: set[int] = set()
         self._loaded = False
         self._failure: FileFailure | None = None
+        self._refused_since: float | None = None  # the store answers 503 since (lease clock)
         self._recovering = asyncio.Lock()  # bound to a loop on first use (Python >= 3.10)
         self._waiters = Waiters()
         self._history = History(history)
@@ -106,24 +110,44 @@ class SqliteStore(LeasesMixin, Store):
             log.error("SQLite store not loaded; answering 503", extra={"error": exc.detail})
 
     def _install(self, loaded: Loaded) -> None:
-        self._dirty = set()
+        held, self._dirty = self._leases, set()
         self._kv = {e.key: e for e in loaded.entries}
         self._keys = SortedList(e.key for e in loaded.entries)
-        self._leases = {i: StoredLease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
+        wall, now = time.time(), lease_clock.now()
+        self._leases = {
+            i: StoredLease(ttl, exp - wall + now) for i, (ttl, exp) in loaded.leases.items()
+        }
         for entry in loaded.entries:
             if entry.lease is not None and entry.lease in self._leases:
                 self._leases[entry.lease].keys.add(entry.key)
         served = last_served(self._leases)
-        if not self._loaded and served is not None and served < time.time():
+        if not self._loaded and served is not None and served < now:
             # A restart is a stall: the leases' clock stopped while no process served them.
-            extend(self._leases, served, time.time() - served)
+            extend(self._leases, served, now - served)
             self._dirty = set(self._leases)
-        self._expiry = expiry_heap(self._leases)
-        if not self._loaded:  # a reload after a failed commit keeps what is durable
+        if self._loaded:  # a reload after a failed commit
+            self._keep_renewals(held)
+            # Its failed revisions are issued again: the history records them when durable.
+            self._history.rewind(loaded.revision)
+        else:
             self._history.reset(loaded.revision)
-        self._revision, self._next_lease = loaded.revision, loaded.next_lease
+        self._expiry = expiry_heap(self._leases)
+        self._revision = loaded.revision
+        self._next_lease = max(self._next_lease, loaded.next_lease)  # no id issued twice
         self._pending.clear()
         self._loaded, self._failure = True, None
+
+    def _keep_renewals(self, held: dict[int, StoredLease]) -> None:
+        """After a reload: a renewal answered before it holds (the file may lack it), and
+        the time the store refused to serve is a stall of every lease's clock."""
+        for lease_id, lease in self._leases.items():
+            mine = held.get(lease_id)
+            if mine is not None and mine.expires_at > lease.expires_at:
+                lease.expires_at, lease.grace = mine.expires_at, mine.grace
+                self._dirty.add(lease_id)
+        since, self._refused_since = self._refused_since, None
+        if since is not None and extend(self._leases, since, lease_clock.now() - since):
+            self._dirty.update(self._leases)
 
     async def _recover(self) -> None:
         """(Re)load memory from the file: at start, and after a failed commit."""
@@ -138,8 +162,12 @@ class SqliteStore(LeasesMixin, Store):
                 loaded = await self._thread.call(self._thread.file.load, self._timeout_s)
             except FileFailure as exc:
                 self._fail(exc)
+                self._refusing()
                 raise Unavailable(exc.detail) from exc
-            except FileLocked as exc:
+            except (FileLocked, Unavailable) as exc:
+                self._refusing()
+                if isinstance(exc, Unavailable):
+                    raise
                 raise Unavailable(str(exc)) from exc
             recovered = self._failure is not None
             self._install(loaded)
@@ -148,6 +176,11 @@ class SqliteStore(LeasesMixin, Store):
                 self._waiters.wake_all()
         if self._sweeper is None and not self._closed:
             self._sweeper = asyncio.create_task(self._sweep())
+
+    def _refusing(self) -> None:
+        """Requests are refused (503) from now until a reload: heartbeats too."""
+        if self._loaded and self._refused_since is None:
+            self._refused_since = lease_clock.now()
 
     def _fail(self, failure: FileFailure) -> None:
         if self._failure is None or (failure.permanent and not self._failure.permanent):
@@ -239,7 +272,7 @@ class SqliteStore(LeasesMixin, Store):
         remaining = {
             e.lease: self._leases[e.lease].expires_at - now for e in entries if e.lease is not None
         }
-        return Snapshot(entries, self._revision, remaining, read_at=now)
+        return Snapshot(entries, self._revision, remaining, read_at=lease_clock.to_wall(now))
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -291,7 +324,7 @@ class SqliteStore(LeasesMixin, Store):
         """Delete expired leases and their entries now (waking waiters); how many keys went."""
         await self._usable()
         self._now()  # any stall credited first
-        now = sweep_cutoff(time.time())
+        now = sweep_cutoff(lease_clock.now())
         expired: list[int] = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
