@@ -335,7 +335,16 @@ class SqliteStore(LeasesMixin, Store):
             if self._dirty:  # write the renewals of the last interval
                 self._persist(Change(self._revision, self._next_lease), ())
             return 0
-        return len(self._end_leases(expired))
+        expired = list(dict.fromkeys(expired))  # a renewed lease may be due twice in the heap
+        gone = [self._kv[k] for i in expired if (ls := self._leases.get(i)) for k in ls.keys]
+        ended = len(self._end_leases(expired))
+        tell = self.on_expired
+        if tell is not None and gone:
+            try:
+                tell(gone)
+            except Exception:  # the sweeper must go on
+                log.exception("lease expiries not told")
+        return ended
 
     async def _sweep(self) -> None:
         """Purge expired leases (so waiters wake and the file stays small) and notice a
