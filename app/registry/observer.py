@@ -101,7 +101,7 @@ class Observer:
     ) -> dict[int, Seen]:
         """A group that changed: each rank as now seen, expiries counted."""
         engine = state.engine
-        gid, eid = engine.group_id, engine.engine_id
+        eid = engine.engine_id
         seen = {r: Seen(eid, a.host, a.lease, state.expires_at[r]) for r, a in state.agents.items()}
         for rank, old in before.items():
             if old.gone:
@@ -117,14 +117,11 @@ class Observer:
                 continue
             new = seen.get(rank)
             if new is None:
-                self._expired(gid, rank, old, engine.generation)
+                self.metrics.lease_expiries.inc()  # its event: lease_ended
                 seen[rank] = replace(old, expires_at=expiry, gone=True)
             elif new.lease != old.lease and expiry <= _ts(state.agents[rank].registered_at):
-                self._expired(gid, rank, old, engine.generation)
+                self.metrics.lease_expiries.inc()  # its event: lease_ended
         return seen
-
-    def _expired(self, gid: str, rank: int, old: Seen, generation: int) -> None:
-        self.metrics.lease_expiries.inc()
 
     def lease_ended(self, entries: list[Entry], decoded: Decoded) -> None:
         """The store ended leases whose time ran out, with these entries: a ``lease_expired``
