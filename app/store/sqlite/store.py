@@ -158,6 +158,9 @@ class SqliteStore(LeasesMixin, Store):
                 return
             if self._failure is not None and self._failure.permanent:
                 raise Unavailable(self._failure.detail)
+            if self._loaded and self._revision == self._history.durable:
+                await self._resume()
+                return
             try:
                 loaded = await self._thread.call(self._thread.file.load, self._timeout_s)
             except FileFailure as exc:
@@ -176,6 +179,19 @@ class SqliteStore(LeasesMixin, Store):
                 self._waiters.wake_all()
         if self._sweeper is None and not self._closed:
             self._sweeper = asyncio.create_task(self._sweep())
+
+    async def _resume(self) -> None:
+        """Only renewals failed to reach the file (every revision is durable): memory is the
+        file plus them, so the file thread takes commits again without a reload (at 100,000
+        ranks a reload is seconds of work, every sweep of a full disk's outage), and every
+        lease is written with the next commit."""
+        try:
+            await self._thread.call(self._thread.resume, self._timeout_s)
+        except Unavailable:
+            self._refusing()
+            raise
+        self._failure = None
+        self._dirty = set(self._leases)
 
     def _refusing(self) -> None:
         """Requests are refused (503) from now until a reload: heartbeats too."""

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.support.faults import agent_body, record
-from tests.support.hostile import fill_up, poll, serve, small_tmpfs
+from tests.support.hostile import fill_up, log_of, poll, serve, small_tmpfs
 
 pytestmark = pytest.mark.faults
 
@@ -57,7 +57,8 @@ def _fail_a_write(http: httpx.Client, gid: str, eid: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_full_disk_ends_no_live_lease(tmp_path: Path) -> None:
+@pytest.mark.parametrize("failed_write", [True, False], ids=["a-failed-write", "renewals-only"])
+def test_a_full_disk_ends_no_live_lease(tmp_path: Path, failed_write: bool) -> None:
     with small_tmpfs(tmp_path / "tmpfs", TMPFS_KIB) as disk:
         server = serve(tmp_path, disk / "registry.db")
         try:
@@ -94,7 +95,8 @@ def test_a_full_disk_ends_no_live_lease(tmp_path: Path) -> None:
                     filler = disk / "filler"
                     fill_up(filler)
                     full_at = time.monotonic()
-                    _fail_a_write(http, "full-0", engines["full-0"])
+                    if failed_write:  # the store reloads its file
+                        _fail_a_write(http, "full-0", engines["full-0"])
                     # Past the ttl (twice over) on the full disk: every sweep's commit fails.
                     time.sleep(2 * TTL_S + 2)
                     filler.unlink()
@@ -105,10 +107,11 @@ def test_a_full_disk_ends_no_live_lease(tmp_path: Path) -> None:
                     renewer.join(timeout=30)
         finally:
             server.kill()
+        log = log_of(server)
     while_full = [a for a in answers if full_at <= a[0] <= freed_at]
     refused = [a for a in answers if a[2] == 404]
     record(
-        "full_disk_leases",
+        f"full_disk_leases_{'failed_write' if failed_write else 'renewals_only'}",
         heartbeats_while_full=len(while_full),
         ok_while_full=sum(a[2] == 200 for a in while_full),
         unavailable_while_full=sum(a[2] == 503 for a in while_full),
@@ -118,6 +121,9 @@ def test_a_full_disk_ends_no_live_lease(tmp_path: Path) -> None:
     # A live lease never ends: 200, or 503 (the worker retries), never 404.
     assert not refused, f"{len(refused)} of {len(answers)} heartbeats got 404, first {refused[0]}"
     assert all(a[2] in (200, 503) for a in answers), sorted({a[2] for a in answers})
+    assert "disk is full" in log, "no commit failed: the disk was not full"
+    if not failed_write:  # only renewals failed: memory holds them, nothing to reload
+        assert "reloaded from the file" not in log
 
 
 @pytest.mark.timeout(90)
