@@ -101,22 +101,23 @@ class RecoveryMixin:
         """(Re)load memory from the file: at start, and after a failed commit."""
         if self._closed:
             raise Unavailable("The SQLite store is closed (the service is shutting down).")
+        began = lease_clock.now()  # a request refused: refused since it asked
         async with self._recovering:
             if self._loaded and self._failure is None:
                 return
             if self._failure is not None and self._failure.permanent:
                 raise Unavailable(self._failure.detail)
             if self._loaded and self._revision == self._history.durable:
-                await self._resume()
+                await self._resume(began)
                 return
             try:
                 loaded = await self._thread.call(self._thread.file.load, self._timeout_s)
             except FileFailure as exc:
                 self._fail(exc)
-                self._refusing()
+                self._refusing(began)
                 raise Unavailable(exc.detail) from exc
             except (FileLocked, Unavailable) as exc:
-                self._refusing()
+                self._refusing(began)
                 if isinstance(exc, Unavailable):
                     raise
                 raise Unavailable(str(exc)) from exc
@@ -128,7 +129,7 @@ class RecoveryMixin:
         if self._sweeper is None and not self._closed:
             self._sweeper = asyncio.create_task(self._sweep())
 
-    async def _resume(self) -> None:
+    async def _resume(self, began: float) -> None:
         """Only renewals failed to reach the file (every revision is durable): memory is the
         file plus them, so the file thread takes commits again without a reload (at 100,000
         ranks a reload is seconds of work, every sweep of a full disk's outage), and every
@@ -136,16 +137,17 @@ class RecoveryMixin:
         try:
             await self._thread.call(self._thread.resume, self._timeout_s)
         except Unavailable:
-            self._refusing()
+            self._refusing(began)
             raise
         self._failure = None
         self._dirty = set(self._leases)
         self._credit_refusal()
 
-    def _refusing(self) -> None:
-        """Requests are refused (503) from now until a reload: heartbeats too."""
+    def _refusing(self, began: float) -> None:
+        """A request that began at ``began`` is refused (503), heartbeats too: the leases'
+        clock stops from then until the store serves again (``_credit_refusal``)."""
         if self._loaded and self._refused_since is None:
-            self._refused_since = lease_clock.now()
+            self._refused_since = began
 
     def _fail(self, failure: FileFailure) -> None:
         if self._failure is None or (failure.permanent and not self._failure.permanent):

@@ -2,9 +2,11 @@
 and what the registry serves after the disk is freed is what its file holds.
 
 A real tmpfs, filled up: every commit then fails (a large write at once, the renewals' sweep
-soon after), and the store reloads its file after each failure. Renewals answered 200 must
+soon after), and the store reloads its file after a failed write. Renewals answered 200 must
 survive those reloads (they live in memory until written), and the revisions a failed commit
-used must not hide the writes that come after it from the watch feed (the list)."""
+used must not hide the writes that come after it from the watch feed (the list). A store that
+cannot even reload (a frozen ext4 after a failed commit) answers heartbeats 503, and that
+time is credited to the leases."""
 
 from __future__ import annotations
 
@@ -18,7 +20,15 @@ import httpx
 import pytest
 
 from tests.support.faults import agent_body, record
-from tests.support.hostile import fill_up, log_of, poll, serve, small_tmpfs
+from tests.support.hostile import (
+    fill_up,
+    frozen,
+    log_of,
+    loop_ext4,
+    poll,
+    serve,
+    small_tmpfs,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -168,3 +178,46 @@ def _listed(http: httpx.Client) -> dict[str, str]:
     if resp.status_code != 200:
         return {}
     return {g["group_id"]: g["engine_id"] for g in resp.json()["groups"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_store_that_cannot_reload_answers_heartbeats_503_and_ends_no_lease(
+    tmp_path: Path,
+) -> None:
+    """A failed commit, then a disk that will not even be read (frozen): the store cannot
+    reload, so heartbeats answer 503 (the worker retries) past the ttl; that time is credited
+    to the leases, and once the disk is back the rank renews (200), never 404."""
+    with loop_ext4(tmp_path) as mnt:
+        server = serve(tmp_path, mnt / "registry.db")
+        try:
+            with httpx.Client(base_url=server.url, timeout=10.0) as http:
+                eid = _open(http, "frozen", tp_size=1)
+                put = http.put(
+                    "/tp-groups/frozen/engine/agents/0", json=agent_body(eid, 0, ttl_s=TTL_S)
+                )
+                assert put.status_code == 201, put.text
+                filler = mnt / "filler"
+                fill_up(filler)
+                body = _big_agent(eid, 0)
+                failed = http.put("/tp-groups/frozen/engine/agents/0", json=body)
+                assert failed.status_code == 503, failed.text
+                statuses: list[int] = []
+                with frozen(mnt):
+                    until = time.monotonic() + TTL_S + 4
+                    while time.monotonic() < until:
+                        statuses.append(_beat_one(http, eid))
+                        time.sleep(BEAT_S)
+                filler.unlink()
+                after, _ = poll(lambda: _beat_one(http, eid), lambda s: s != 503, 15.0)
+        finally:
+            server.kill()
+    record("unreloadable_store_leases", heartbeats_503=statuses.count(503), after=after)
+    assert set(statuses) == {503}, statuses
+    assert after == 200, f"the rank's lease ended while the store could not serve: {after}"
+
+
+def _beat_one(http: httpx.Client, eid: str) -> int:
+    resp = http.post(
+        "/tp-groups/frozen/engine/agents/0/heartbeat", json={"engine_id": eid}, timeout=10.0
+    )
+    return resp.status_code
