@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # An agent gone within this much of its expiry instant counts as expired (clock granularity
 # of the stores' sweeps), not as deregistered early.
 SLACK_S = 1.0
-ENDED_KEPT = 65_536  # leases whose expiry was recorded, remembered (a reload may end one again)
+ENDED_KEPT = 65_536  # agents whose expiry was recorded, remembered (a reload may end one again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,8 @@ class Observer:
         self._agents: dict[str, dict[int, Seen]] = {}
         self._last: dict[str, GroupState] = {}  # each group as last read
         self._not_ready_since: dict[str, tuple[str, float]] = {}
-        self._ended: dict[int, None] = {}  # leases whose expiry was recorded, oldest first
+        # (lease, agent key) whose expiry was recorded, oldest first (a batch shares a lease)
+        self._ended: dict[tuple[int, str], None] = {}
 
     def last_host(self, gid: str, engine_id: str, rank: int) -> str | None:
         """The host rank ``rank`` of this engine was on when last seen, if it was."""
@@ -131,9 +132,9 @@ class Observer:
             if len(parts) != 4 or parts[0] != "groups" or parts[2] != "agents":
                 continue  # a blob, say
             brief = decoded.brief(entry)
-            if brief.lease in self._ended:
+            if (brief.lease, entry.key) in self._ended:
                 continue  # ended again after a failed commit's reload
-            self._ended[brief.lease] = None
+            self._ended[(brief.lease, entry.key)] = None
             if len(self._ended) > ENDED_KEPT:
                 del self._ended[next(iter(self._ended))]
             gid, rank, host = parts[1], brief.rank, brief.host
