@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Protocol
 
 from app.core.errors import (
@@ -79,6 +80,8 @@ class RegistryBase:
         self.events = EventLog(store, self.metrics, keep=events_keep)
         self.observer = Observer(self.metrics, self.events)
         self.decoded = Decoded()
+        # Each lease that runs out is recorded as the store ends it (``lease_expired``).
+        store.on_expired = partial(self.observer.lease_ended, decoded=self.decoded)
         self.kept = KeptStates()  # every group's state for operators' reads (group_states)
         self.draining = False
         self._drained: asyncio.Event | None = None

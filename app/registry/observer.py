@@ -1,11 +1,14 @@
-"""What a replica learns by comparing its reads of every group, one after the other.
+"""What a replica learns of lease expiries, and by comparing its reads of every group.
 
-Fed by the store-wide reads the registry already does (each ``/metrics`` scrape, each render
-of ``/status``), never by the request paths. From two reads it tells:
+A ``lease_expired`` event is recorded when the store ends a lease because its time ran out
+(``Store.on_expired``: the SQLite sweep, the etcd replica's reaper), at that moment, once per
+lease: ``lease_ended``. A lease etcd ends itself (no live replica followed it) has none.
+
+The rest is fed by the store-wide reads the registry already does (each ``/metrics`` scrape,
+each render of ``/status``), never by the request paths. From two reads it tells:
 
 - lease expiries: a rank of the same engine whose agent is gone (or was replaced by a new
-  registration) after its lease's expiry instant: counted (``registry_lease_expiries``) and
-  recorded as a ``lease_expired`` event;
+  registration) after its lease's expiry instant: counted (``registry_lease_expiries``);
 - the last host of each rank, so that a missing rank can be shown with the host it was on;
 - how long each group has been not ready (``registry_longest_not_ready_seconds``).
 
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from app.core.metrics import Metrics
 from app.registry.events import EventLog
+from app.registry.records import Decoded
+from app.store import Entry
 
 if TYPE_CHECKING:
     from app.registry.state import GroupState
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 # An agent gone within this much of its expiry instant counts as expired (clock granularity
 # of the stores' sweeps), not as deregistered early.
 SLACK_S = 1.0
+ENDED_KEPT = 65_536  # agents whose expiry was recorded, remembered (a reload may end one again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,8 @@ class Observer:
         self._agents: dict[str, dict[int, Seen]] = {}
         self._last: dict[str, GroupState] = {}  # each group as last read
         self._not_ready_since: dict[str, tuple[str, float]] = {}
+        # (lease, agent key) whose expiry was recorded, oldest first (a batch shares a lease)
+        self._ended: dict[tuple[int, str], None] = {}
 
     def last_host(self, gid: str, engine_id: str, rank: int) -> str | None:
         """The host rank ``rank`` of this engine was on when last seen, if it was."""
@@ -94,7 +102,7 @@ class Observer:
     ) -> dict[int, Seen]:
         """A group that changed: each rank as now seen, expiries counted."""
         engine = state.engine
-        gid, eid = engine.group_id, engine.engine_id
+        eid = engine.engine_id
         seen = {r: Seen(eid, a.host, a.lease, state.expires_at[r]) for r, a in state.agents.items()}
         for rank, old in before.items():
             if old.gone:
@@ -110,20 +118,37 @@ class Observer:
                 continue
             new = seen.get(rank)
             if new is None:
-                self._expired(gid, rank, old, engine.generation)
+                self.metrics.lease_expiries.inc()  # its event: lease_ended
                 seen[rank] = replace(old, expires_at=expiry, gone=True)
             elif new.lease != old.lease and expiry <= _ts(state.agents[rank].registered_at):
-                self._expired(gid, rank, old, engine.generation)
+                self.metrics.lease_expiries.inc()  # its event: lease_ended
         return seen
 
-    def _expired(self, gid: str, rank: int, old: Seen, generation: int) -> None:
-        self.metrics.lease_expiries.inc()
-        self.events.record(
-            "lease_expired",
-            gid,
-            f"the lease of rank {rank} of group {gid!r} (generation {generation}, host "
-            f"{old.host}) expired: its process stopped renewing it (died, hung, or lost the "
-            "network). Its agent is gone until the rank registers again.",
-            (gid, old.engine_id, rank, old.lease),
-            {"rank": rank, "host": old.host, "engine_id": old.engine_id, "generation": generation},
-        )
+    def lease_ended(self, entries: list[Entry], decoded: Decoded) -> None:
+        """The store ended leases whose time ran out, with these entries: a ``lease_expired``
+        event for each agent among them, now."""
+        for entry in entries:
+            parts = entry.key.split("/")
+            if len(parts) != 4 or parts[0] != "groups" or parts[2] != "agents":
+                continue  # a blob, say
+            brief = decoded.brief(entry)
+            if (brief.lease, entry.key) in self._ended:
+                continue  # ended again after a failed commit's reload
+            self._ended[(brief.lease, entry.key)] = None
+            if len(self._ended) > ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
+            gid, rank, host = parts[1], brief.rank, brief.host
+            self.events.record(
+                "lease_expired",
+                gid,
+                f"the lease of rank {rank} of group {gid!r} (generation {brief.generation}, host "
+                f"{host}) expired: its process stopped renewing it (died, hung, or lost the "
+                "network). Its agent is gone until the rank registers again.",
+                (gid, brief.engine_id, rank, brief.lease),
+                {
+                    "rank": rank,
+                    "host": host,
+                    "engine_id": brief.engine_id,
+                    "generation": brief.generation,
+                },
+            )

@@ -60,7 +60,7 @@ class AccessLogBudget:
 def arrived(scope: Scope) -> float:
     """When the request reached the registry (its head read): the instant a heartbeat's
     leases are judged at (``app/store/lease_clock.py``), set for this request's task."""
-    at: float = scope.setdefault("arrived", time.time())
+    at: float = scope.setdefault("arrived", time.monotonic())  # the lease clock
     ARRIVED.set(at)
     return at
 

@@ -144,6 +144,9 @@ class Store(ABC):
     #: a write on its watch feed where the write's own compares make that decision safe, and
     #: reads the store only when they fail.
     remote_reads: bool = False
+    #: Told, when the store ends leases because their time ran out (never for a revoke), the
+    #: entries that went with them, at that moment (the registry records ``lease_expired``).
+    on_expired: Callable[[list[Entry]], None] | None = None
 
     @abstractmethod
     async def get(self, key: str, *, settled: bool = True) -> Entry | None:

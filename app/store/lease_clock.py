@@ -24,6 +24,10 @@ lease ``grace_s`` past its ttl and the replica renewing it applies them: ``etcd/
 
 A dead rank is therefore found within its ttl plus ``grace_s`` at most, and only when the
 registry itself stalled; otherwise within its ttl, as before.
+
+Every instant here is on the process's monotonic clock (``now``), never the wall clock: a
+step of the wall clock (NTP, a VM resumed, an operator's ``date``) moves no lease. Wall time
+is only what a file persists (``to_wall``, ``from_wall``).
 """
 
 from __future__ import annotations
@@ -37,12 +41,27 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-# When the request being served reached the registry (time.time()); None outside requests.
+# When the request being served reached the registry (``now()``); None outside requests.
 ARRIVED: contextvars.ContextVar[float | None] = contextvars.ContextVar("arrived", default=None)
 
 TICK_S = 0.05  # the loop watch's period
 SUSTAINED = 4  # ticks: the shedding signal is the loop's lag over all of them
 LAG_FLOOR_S = 0.1  # a tick later than this: the loop lags, and renewals wait that long
+
+
+def now() -> float:
+    """The leases' clock: monotonic, so a step of the wall clock moves no lease."""
+    return time.monotonic()
+
+
+def to_wall(at: float) -> float:
+    """An instant of the leases' clock as wall time (to persist it)."""
+    return at + time.time() - time.monotonic()
+
+
+def from_wall(at: float) -> float:
+    """A persisted wall time as an instant of the leases' clock."""
+    return at - time.time() + time.monotonic()
 
 
 @dataclass
@@ -99,10 +118,9 @@ class LoopWatch:
         self.loop = loop
         self.lag = 0.0  # the last tick's lateness, seconds
         self.lags: deque[float] = deque([0.0] * SUSTAINED, maxlen=SUSTAINED)  # the last ones
-        self.stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (began, seconds), wall
+        self.stalls: deque[tuple[float, float]] = deque(maxlen=64)  # (began, seconds)
         self.count = 0  # stalls seen in all
-        self._last = time.monotonic()  # the loop last seen running
-        self.seen = time.time()  # the same, wall clock: a judgement checks it (``late``)
+        self._last = time.monotonic()  # the loop last seen running: ``late`` checks it
         self._due = self._last + TICK_S
         self._owed = 0.0  # lateness of ticks past LAG_FLOOR_S not yet credited as a stall
         self._owed_since = 0.0
@@ -114,7 +132,7 @@ class LoopWatch:
         self.lags.append(self.lag)
         if not self.note(now) and self.lag > LAG_FLOOR_S:  # a lagging loop, not one gap
             if not self._owed:
-                self._owed_since = time.time() - self.lag
+                self._owed_since = now - self.lag
             self._owed += self.lag
             if self._owed > CLOCK.stall_s:
                 self._stall(self._owed_since, self._owed)
@@ -131,9 +149,9 @@ class LoopWatch:
         """The loop runs now: a gap since it was last seen running past the threshold is a
         stall (True: one was)."""
         now = time.monotonic() if now is None else now
-        gap, self._last, self.seen = now - self._last, now, time.time()
+        gap, self._last = now - self._last, now
         if gap > CLOCK.stall_s:
-            self._stall(self.seen - gap, gap)
+            self._stall(now - gap, gap)
             return True
         return False
 
@@ -142,8 +160,8 @@ class LoopWatch:
         self.count += 1
 
     def late(self, now: float) -> bool:
-        """Whether the timer is late past a stall at wall time ``now`` (then ``note`` it)."""
-        return now - self.seen > CLOCK.stall_s + TICK_S
+        """Whether the timer is late past a stall at ``now`` (then ``note`` it)."""
+        return now - self._last > CLOCK.stall_s + TICK_S
 
     def since(self, seen: int) -> Iterator[tuple[float, float]]:
         """The stalls after the first ``seen`` (the oldest kept, if more were lost)."""
@@ -176,7 +194,7 @@ class Credits:
         self.seen = -1  # the watch's stalls credited already; -1: none looked at yet
 
     def due(self, now: float) -> bool:
-        """Whether a stall may be owed at wall time ``now`` (then ``credit``)."""
+        """Whether a stall may be owed at ``now`` (then ``credit``)."""
         watch = self.watch
         return watch is None or watch.late(now) or self.seen != watch.count
 

@@ -224,7 +224,7 @@ class KeepAlive:
             message = await receive()
             if message["type"] != "websocket.receive":
                 return True
-            arrived = time.time()
+            arrived = time.monotonic()  # the lease clock (lease_clock.py)
             stream.begin()
             try:
                 data = message.get("text") or message.get("bytes")

@@ -95,9 +95,9 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
             if self._busy:  # a renewal waits (a task): this one after it, in order
                 if self._waiting is None:
                     self._waiting = deque()
-                self._waiting.append((payload, time.time()))
+                self._waiting.append((payload, time.monotonic()))
             else:
-                self._run(renewer, payload, time.time(), out)
+                self._run(renewer, payload, time.monotonic(), out)
         self._buffer = buf[pos:]
         self._flush(out)
 

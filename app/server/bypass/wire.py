@@ -87,7 +87,7 @@ class WireProtocol(HttpToolsProtocol):
         taken = hot.take(method, scope["path"], self.headers, scope)
         if taken is None:
             return False
-        scope["arrived"] = time.time()  # its renewals are judged at it (lease_clock.py)
+        scope["arrived"] = time.monotonic()  # its renewals are judged at it (lease_clock)
         self._hot = (taken, [])
         return True
 

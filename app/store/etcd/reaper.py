@@ -32,7 +32,6 @@ import asyncio
 import heapq
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 
 from app.store.lease_clock import (
@@ -41,6 +40,7 @@ from app.store.lease_clock import (
     Credits,
     StoredLease,
     expiry_heap,
+    now,
     sweep_cutoff,
 )
 
@@ -73,8 +73,8 @@ Revoke = Callable[[int], Awaitable[None]]
 
 
 class Reaper:
-    """The leases this replica granted or renewed, each with its logical expiry (wall
-    clock), and the task that ends them when it passes."""
+    """The leases this replica granted or renewed, each with its logical expiry (on the
+    monotonic lease clock), and the task that ends them when it passes."""
 
     def __init__(self, ask: Ask, revoke: Revoke, interval_s: float = INTERVAL_S) -> None:
         self._ask, self._revoke = ask, revoke
@@ -96,7 +96,7 @@ class Reaper:
 
     def noted(self, lease_id: int, ttl_s: int, remaining_s: float) -> None:
         """This replica granted or renewed the lease: ``remaining_s`` of logical time."""
-        expires_at = time.time() + remaining_s
+        expires_at = now() + remaining_s
         lease = self.leases.get(lease_id)
         if lease is None:
             self.leases[lease_id] = StoredLease(ttl_s, expires_at)
@@ -128,7 +128,7 @@ class Reaper:
             return False
         self.credit()
         arrived = ARRIVED.get()
-        return lease.expires_at <= (time.time() if arrived is None else arrived)
+        return lease.expires_at <= (now() if arrived is None else arrived)
 
     async def settle(self, lease_id: int) -> bool:
         """Judge an overdue lease with etcd's figures now: True when it was ended (the
@@ -173,7 +173,7 @@ class Reaper:
         """End the followed leases whose logical time ran out (etcd agreeing); how many. On
         a failed call the leases not yet judged stay due (looked at again next time)."""
         self.credit()
-        due = self._take_due(sweep_cutoff(time.time()))
+        due = self._take_due(sweep_cutoff(now()))
         ended = 0
         try:
             for at in range(0, len(due), ASK_AT_ONCE):
@@ -201,16 +201,16 @@ class Reaper:
         if ttl_left <= 0:  # etcd ended it already
             self.leases.pop(lease_id, None)
             return False
-        now = time.time()
+        at = now()
         left = ttl_left - headroom(granted_ttl)
         if left > 0:  # renewed elsewhere, or refreshed by a new leader: its clock restarts
             lease.grace = 0.0
-            expires_at = now + left
+            expires_at = at + left
         else:
-            expires_at = now + left + lease.grace  # with the stalls credited to it
-            if expires_at < sweep_cutoff(now):  # and no heartbeat in flight reached it in time
+            expires_at = at + left + lease.grace  # with the stalls credited to it
+            if expires_at < sweep_cutoff(at):  # and no heartbeat in flight reached it in time
                 return True
-            expires_at = max(expires_at, now + self.interval_s)
+            expires_at = max(expires_at, at + self.interval_s)
         lease.expires_at = expires_at
         heapq.heappush(self._due, (expires_at, lease_id))
         return False

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
@@ -52,6 +53,8 @@ from app.store.etcd.config import EtcdAccess, EtcdUrl, parse_url
 from app.store.etcd.keepalive import KeepAlives, Renewed
 from app.store.etcd.reaper import Reaper, headroom, headroom_s, logical
 from app.store.etcd.state import LeaseBook, WatchHub
+
+log = logging.getLogger("app.store")
 
 
 class EtcdStore(Store):
@@ -89,7 +92,7 @@ class EtcdStore(Store):
         self._probe_interval_s = probe_interval_s
         self._leases = LeaseBook(lease_cache_s)
         self._asking: dict[int, asyncio.Task[tuple[float, int]]] = {}
-        self.reaper = Reaper(self._lease_figures, self.revoke_lease)
+        self.reaper = Reaper(self._lease_figures, self._expire)
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
         self._keepalives: weakref.WeakKeyDictionary[Any, KeepAlives] = weakref.WeakKeyDictionary()
         self._hubs: dict[str, WatchHub] = {}
@@ -287,6 +290,29 @@ class EtcdStore(Store):
         await self._call("lease revoke", fn)
         self._leases.granted(lease_id, None)
         self.reaper.forget(lease_id)
+
+    async def _expire(self, lease_id: int) -> None:
+        """The reaper ends a lease whose time ran out: ``on_expired`` is told its entries."""
+        tell = self.on_expired
+        gone = await self._lease_entries(lease_id) if tell is not None else []
+        await self.revoke_lease(lease_id)
+        if tell is not None and gone:
+            try:
+                tell(gone)
+            except Exception:  # the reaper must go on
+                log.exception("lease expiries not told")
+
+    async def _lease_entries(self, lease_id: int) -> list[Entry]:
+        """The entries on the lease now: its keys (etcd's), then each of them."""
+        request = rpc.LeaseTimeToLiveRequest(ID=lease_id, keys=True)
+        try:
+            info = await self._call(
+                "lease read", lambda c, t: c.leasestub.LeaseTimeToLive(request, timeout=t)
+            )
+            replies = await asyncio.gather(*(self._read(bytes(key)) for key in info.keys))
+        except Unavailable:
+            return []  # the lease still ends; only its event is lost
+        return [self._entry(kv) for reply in replies for kv in reply.kvs if kv.lease == lease_id]
 
     # -- waiting ---------------------------------------------------------------------------
 

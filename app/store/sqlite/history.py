@@ -47,6 +47,12 @@ class History:
         self.oldest = self.durable = self.recorded = revision
         self._wake()
 
+    def rewind(self, revision: int) -> None:
+        """The store reloaded its file at ``revision`` after a failed commit: the revisions
+        after it were never durable and are issued again, each recorded anew (else a change
+        at a reissued revision would never reach a watch)."""
+        self.recorded = revision
+
     def record(self, change: Change, fut: asyncio.Future[None]) -> None:
         """``change`` (a new revision) whose commit is ``fut``."""
         changes = tuple(

@@ -1,14 +1,15 @@
 """The embedded store's leases: granted and renewed in memory, judged on the lease clock.
 
 A renewal and the reads it makes judge a lease at the request's arrival, after crediting any
-stall of the registry's loop to every live lease (``app/store/lease_clock.py``).
+stall of the registry's loop to every live lease (``app/store/lease_clock.py``). Expiries are
+instants of the monotonic lease clock; the file holds them as wall time (``_checkpoint``).
 """
 
 from __future__ import annotations
 
 import heapq
-import time
 
+from app.store import lease_clock
 from app.store.base import Lease
 from app.store.lease_clock import ARRIVED, Credits, StoredLease, expiry_heap
 from app.store.sqlite.pending import Pending
@@ -28,7 +29,7 @@ class LeasesMixin:
     def _now(self) -> float:
         """The instant leases are judged at: now, or the request's arrival (lease_clock.py),
         after any stall of the loop is credited to the leases."""
-        now = time.time()
+        now = lease_clock.now()
         if self._credits.due(now):
             self._credit()
         arrived = ARRIVED.get()
@@ -45,7 +46,7 @@ class LeasesMixin:
         self._pending.writable()
         lease_id = self._next_lease
         self._next_lease += 1
-        expires_at = time.time() + ttl_s
+        expires_at = lease_clock.now() + ttl_s
         self._leases[lease_id] = StoredLease(ttl_s, expires_at)
         heapq.heappush(self._expiry, (expires_at, lease_id))
         # Written with the next change (the transaction that puts keys on it, or the sweep
@@ -62,18 +63,20 @@ class LeasesMixin:
         lease = self._leases.get(lease_id)
         if lease is None or lease.expires_at <= self._now():  # judged at the arrival
             return None
-        lease.expires_at, lease.grace = time.time() + lease.ttl_s, 0.0
+        lease.expires_at, lease.grace = lease_clock.now() + lease.ttl_s, 0.0
         heapq.heappush(self._expiry, (lease.expires_at, lease_id))
         self._dirty.add(lease_id)
         return Lease(lease_id, lease.ttl_s, float(lease.ttl_s))
 
     def _checkpoint(self) -> list[tuple[int, int, float]]:
+        """The leases renewed since last written, with their expiries as wall time."""
         dirty, self._dirty = self._dirty, set()
         leases = ((i, self._leases.get(i)) for i in dirty)
-        return [(i, lease.ttl_s, lease.expires_at) for i, lease in leases if lease is not None]
+        wall = lease_clock.to_wall(0.0)
+        return [(i, ls.ttl_s, ls.expires_at + wall) for i, ls in leases if ls is not None]
 
     async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
-        now = time.time()
+        now = lease_clock.now()
         return {
             i: (lease.expires_at - now if (lease := self._leases.get(i)) else 0.0) for i in leases
         }

@@ -10,9 +10,12 @@ transaction (group commit); the request answers only after its change is in the 
 A reader never sees what is not yet durable: reading a key whose latest change is on its way
 to the file waits for that commit (bounded by the store timeout). A failed commit (full or
 read-only disk) fails the changes after it, the store answers 503 naming the cause, and the
-next request reloads memory from the file, which recovers once the disk does. A file deleted
-or replaced under the process stops the store for good, loudly (checked before every commit
-and sweep). Leases use the wall clock (``time.time``), persisted as instants, so a lease
+next request reloads memory from the file, which recovers once the disk does. The reload keeps
+every renewal already answered (memory's later expiry wins; written once the disk takes it)
+and issues the failed revisions again; where only renewals failed there is nothing to reload.
+The time the store refused to serve is credited to the leases, as a stall. A file deleted or
+replaced under the process stops the store for good, loudly (checked before every commit and
+sweep). Leases run on the monotonic lease clock, persisted as wall-clock instants, so a lease
 outlives a restart with its remaining time intact.
 """
 
@@ -22,26 +25,24 @@ import asyncio
 import contextlib
 import heapq
 import logging
-import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
+from app.store import lease_clock
 from app.store.base import Compare, Entry, Op, Put, Snapshot, Store, TxnResult, Unavailable
 from app.store.lease_clock import (
     Credits,
     StoredLease,
-    expiry_heap,
-    extend,
-    last_served,
     sweep_cutoff,
 )
-from app.store.sqlite.file import Change, FileFailure, FileLocked, Loaded, SqliteFile
+from app.store.sqlite.file import Change, FileFailure, FileLocked, SqliteFile
 from app.store.sqlite.history import History
 from app.store.sqlite.leases import LeasesMixin
 from app.store.sqlite.pending import Pending
+from app.store.sqlite.recovery import RecoveryMixin
 from app.store.sqlite.thread import FileThread
 from app.store.waiters import Waiters
 
@@ -53,7 +54,7 @@ log = logging.getLogger("app.store")
 __all__ = ["FileLocked", "SqliteStore"]
 
 
-class SqliteStore(LeasesMixin, Store):
+class SqliteStore(RecoveryMixin, LeasesMixin, Store):
     def __init__(
         self,
         path: str | Path,
@@ -87,77 +88,13 @@ class SqliteStore(LeasesMixin, Store):
         self._dirty: set[int] = set()
         self._loaded = False
         self._failure: FileFailure | None = None
+        self._refused_since: float | None = None  # the store answers 503 since (lease clock)
         self._recovering = asyncio.Lock()  # bound to a loop on first use (Python >= 3.10)
         self._waiters = Waiters()
         self._history = History(history)
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
         self._credits = Credits()  # the loop's stalls credited to the leases (lease_clock.py)
-
-    # -- loading and failures --------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Load the file (refusing one another process serves) and start the lease sweeper."""
-        try:
-            await self._recover()
-        except Unavailable as exc:
-            if isinstance(exc.__cause__, FileLocked):
-                raise exc.__cause__ from None
-            log.error("SQLite store not loaded; answering 503", extra={"error": exc.detail})
-
-    def _install(self, loaded: Loaded) -> None:
-        self._dirty = set()
-        self._kv = {e.key: e for e in loaded.entries}
-        self._keys = SortedList(e.key for e in loaded.entries)
-        self._leases = {i: StoredLease(ttl, exp) for i, (ttl, exp) in loaded.leases.items()}
-        for entry in loaded.entries:
-            if entry.lease is not None and entry.lease in self._leases:
-                self._leases[entry.lease].keys.add(entry.key)
-        served = last_served(self._leases)
-        if not self._loaded and served is not None and served < time.time():
-            # A restart is a stall: the leases' clock stopped while no process served them.
-            extend(self._leases, served, time.time() - served)
-            self._dirty = set(self._leases)
-        self._expiry = expiry_heap(self._leases)
-        if not self._loaded:  # a reload after a failed commit keeps what is durable
-            self._history.reset(loaded.revision)
-        self._revision, self._next_lease = loaded.revision, loaded.next_lease
-        self._pending.clear()
-        self._loaded, self._failure = True, None
-
-    async def _recover(self) -> None:
-        """(Re)load memory from the file: at start, and after a failed commit."""
-        if self._closed:
-            raise Unavailable("The SQLite store is closed (the service is shutting down).")
-        async with self._recovering:
-            if self._loaded and self._failure is None:
-                return
-            if self._failure is not None and self._failure.permanent:
-                raise Unavailable(self._failure.detail)
-            try:
-                loaded = await self._thread.call(self._thread.file.load, self._timeout_s)
-            except FileFailure as exc:
-                self._fail(exc)
-                raise Unavailable(exc.detail) from exc
-            except FileLocked as exc:
-                raise Unavailable(str(exc)) from exc
-            recovered = self._failure is not None
-            self._install(loaded)
-            if recovered:
-                log.warning("SQLite store recovered: reloaded from the file")
-                self._waiters.wake_all()
-        if self._sweeper is None and not self._closed:
-            self._sweeper = asyncio.create_task(self._sweep())
-
-    def _fail(self, failure: FileFailure) -> None:
-        if self._failure is None or (failure.permanent and not self._failure.permanent):
-            log.error("SQLite store failed", extra={"error": failure.detail})
-        if self._failure is None or not self._failure.permanent:
-            self._failure = failure
-
-    async def _usable(self) -> None:
-        if self._failure is not None or not self._loaded:
-            await self._recover()
 
     # -- memory ------------------------------------------------------------------------------
 
@@ -239,7 +176,7 @@ class SqliteStore(LeasesMixin, Store):
         remaining = {
             e.lease: self._leases[e.lease].expires_at - now for e in entries if e.lease is not None
         }
-        return Snapshot(entries, self._revision, remaining, read_at=now)
+        return Snapshot(entries, self._revision, remaining, read_at=lease_clock.to_wall(now))
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -291,7 +228,7 @@ class SqliteStore(LeasesMixin, Store):
         """Delete expired leases and their entries now (waking waiters); how many keys went."""
         await self._usable()
         self._now()  # any stall credited first
-        now = sweep_cutoff(time.time())
+        now = sweep_cutoff(lease_clock.now())
         expired: list[int] = []
         while self._expiry and self._expiry[0][0] <= now:
             _, lease_id = heapq.heappop(self._expiry)
@@ -302,7 +239,16 @@ class SqliteStore(LeasesMixin, Store):
             if self._dirty:  # write the renewals of the last interval
                 self._persist(Change(self._revision, self._next_lease), ())
             return 0
-        return len(self._end_leases(expired))
+        expired = list(dict.fromkeys(expired))  # a renewed lease may be due twice in the heap
+        gone = [self._kv[k] for i in expired if (ls := self._leases.get(i)) for k in ls.keys]
+        ended = len(self._end_leases(expired))
+        tell = self.on_expired
+        if tell is not None and gone:
+            try:
+                tell(gone)
+            except Exception:  # the sweeper must go on
+                log.exception("lease expiries not told")
+        return ended
 
     async def _sweep(self) -> None:
         """Purge expired leases (so waiters wake and the file stays small) and notice a

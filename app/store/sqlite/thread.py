@@ -7,7 +7,8 @@ writes them in one transaction, so a storm of registrations costs one ``BEGIN IM
 … ``COMMIT`` per batch instead of one per request.
 
 After a failed commit the thread fails every commit queued behind it (they were decided on
-top of the failed one) until the store reloads the file (a ``call`` of ``load``).
+top of the failed one) until the store reloads the file (a ``call`` of ``load``), or resumes
+(``resume``: what failed was only renewals, which memory still holds).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class FileThread:
                 "(a stalled disk, or a long queue of writes ahead)."
             ) from None
         return result
+
+    def resume(self) -> None:
+        """Take commits again (run on the thread by ``call``: after every commit before it)."""
+        self._poisoned = None
 
     def _work(self) -> None:
         carry: _Job | None = None

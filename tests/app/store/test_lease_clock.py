@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.store import Put
-from app.store.lease_clock import ARRIVED, CLOCK, IN_FLIGHT
+from app.store.lease_clock import ARRIVED, CLOCK, IN_FLIGHT, now
 from app.store.sqlite.store import SqliteStore
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(60)]
@@ -35,7 +35,7 @@ def test_a_renewal_that_arrived_before_expiry_renews(tmp_path: Path) -> None:
     async def main() -> None:
         store, lease_id = await _store_with_lease(tmp_path / "r.db")
         try:
-            arrived = time.time()
+            arrived = now()
             store._leases[lease_id].expires_at = arrived + 0.2  # reached 0.2 s before expiry
             await asyncio.sleep(0.4)  # ... and waited past it in the registry's queue
             token = IN_FLIGHT.begin(arrived)
@@ -49,8 +49,8 @@ def test_a_renewal_that_arrived_before_expiry_renews(tmp_path: Path) -> None:
             ARRIVED.set(None)
             assert await store.get("agent/0") is not None
             # One that arrived after the expiry is refused, as before.
-            store._leases[lease_id].expires_at = time.time() - 0.1
-            ARRIVED.set(time.time())
+            store._leases[lease_id].expires_at = now() - 0.1
+            ARRIVED.set(now())
             assert await store.refresh_lease(lease_id) is None
         finally:
             await store.close()
@@ -63,10 +63,10 @@ def test_a_stall_of_the_loop_stops_the_leases_clock(tmp_path: Path) -> None:
         store, lease_id = await _store_with_lease(tmp_path / "s.db")
         try:
             await asyncio.sleep(0.1)  # the loop's watch is running
-            store._leases[lease_id].expires_at = time.time() + 0.5
+            store._leases[lease_id].expires_at = now() + 0.5
             _stall_the_loop(CLOCK.stall_s + 0.5)  # past the lease's expiry
             assert await store.get("agent/0") is not None, "lapsed by the registry's stall"
-            left = store._leases[lease_id].expires_at - time.time()
+            left = store._leases[lease_id].expires_at - now()
             assert 0.2 < left <= 0.5 + 0.05, left  # what it had left when the stall began
             assert await store.refresh_lease(lease_id) is not None
         finally:
@@ -80,7 +80,7 @@ def test_a_loop_that_keeps_lagging_stops_the_leases_clock(tmp_path: Path) -> Non
         store, lease_id = await _store_with_lease(tmp_path / "lag.db")
         try:
             await asyncio.sleep(0.1)
-            store._leases[lease_id].expires_at = time.time() + 1.5
+            store._leases[lease_id].expires_at = now() + 1.5
             for _ in range(6):  # six callbacks of 0.35 s: no one gap is a stall, 2.1 s in all
                 _stall_the_loop(0.35)
                 await asyncio.sleep(0.06)  # the watch's timer runs, late
@@ -98,7 +98,7 @@ def test_the_grace_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         store, lease_id = await _store_with_lease(tmp_path / "b.db")
         try:
             await asyncio.sleep(0.1)
-            store._leases[lease_id].expires_at = time.time() + 0.2
+            store._leases[lease_id].expires_at = now() + 0.2
             _stall_the_loop(CLOCK.stall_s + 0.5)  # longer than the lease left + the grace
             assert await store.get("agent/0") is None
         finally:
@@ -112,7 +112,7 @@ def test_a_restart_is_a_stall(tmp_path: Path) -> None:
 
     async def first() -> float:
         store, lease_id = await _store_with_lease(path, ttl_s=5)
-        left = store._leases[lease_id].expires_at - time.time()
+        left = store._leases[lease_id].expires_at - now()
         await store.close()
         return left
 
@@ -129,4 +129,4 @@ def test_a_restart_is_a_stall(tmp_path: Path) -> None:
     time.sleep(6)  # down longer than the lease had left
     expires_at = asyncio.run(second())
     assert expires_at is not None, "the lease lapsed while no registry served it"
-    assert expires_at - time.time() == pytest.approx(left - 0.0, abs=1.0)
+    assert expires_at - now() == pytest.approx(left - 0.0, abs=1.0)
