@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from app.api.routes import engines, health, instances, keepalive, status_page, tp_groups
+from app.api.routes import engines, health, instances, keepalive, mooncake, status_page, tp_groups
 from app.core.errors import (
     HttpProblem,
     InvalidRequest,
@@ -110,6 +110,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     )
     app.include_router(tp_groups.router)
     app.include_router(engines.router)
+    app.include_router(mooncake.router)
     app.include_router(instances.router)
     app.include_router(health.router)
     app.include_router(status_page.router)

@@ -31,5 +31,13 @@ def blob(gid: str, rank: int) -> str:
     return f"blobs/{gid}/{rank:05d}"
 
 
+def mooncake_prefix(gid: str) -> str:
+    return f"mooncake/{gid}/"
+
+
+def mooncake(gid: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
+    return f"mooncake/{gid}/{dp_rank:05d}/{tp_rank:05d}/{pp_rank:05d}"
+
+
 def dump(model: BaseModel) -> bytes:
     return model.model_dump_json().encode()
