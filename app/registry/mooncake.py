@@ -5,9 +5,9 @@ A prefill worker posts ``{engine_id, dp_rank, tp_rank, pp_rank, addr}``; a decod
 engine's workers. The engine id names the group: one this registry issued (the vLLM plugin
 opened it), or ``<group>~<launch>`` (a plain vLLM given that ``engine_id``), which opens a new
 generation of the group when it is new, in the same transaction that writes the entry and
-deletes the older generation's. An entry rides on the lease of its rank's live agent when
-there is one (the plugin's node renews it), else lives until its engine is superseded or its
-group deleted.
+deletes the older generation's. Entries end with their engine (superseded, group deleted);
+those of an issued engine are answered only while their rank's agent holds its lease (the
+plugin's node renews it), so a dead prefill leaves ``/query`` within its ttl.
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ class MooncakeMixin(EnginesMixin):
                 state = await self.resolve(base)  # 404 (group deleted) or 410 (superseded)
                 gid = state.engine.group_id
                 check_group(gid)
-                agent = state.agents.get(req.tp_rank)
-                put = self._mooncake_put(gid, req, agent.lease if agent else None)
+                put = self._mooncake_put(gid, req)
                 result = await self.store.txn(
                     [Compare(keys.engine(gid), state.engine_revision)], [put]
                 )
@@ -88,12 +87,12 @@ class MooncakeMixin(EnginesMixin):
             state.engine_revision if state else 0,
             [a.lease for a in state.agents.values()] if state else [],
             engine_id=base,
-            also=[self._mooncake_put(gid, req, None)],
+            also=[self._mooncake_put(gid, req)],
         )
         return opened is not None
 
     @staticmethod
-    def _mooncake_put(gid: str, req: MooncakeRegistration, lease: int | None) -> Put:
+    def _mooncake_put(gid: str, req: MooncakeRegistration) -> Put:
         record = MooncakeRecord(
             engine_id=req.engine_id,
             dp_rank=req.dp_rank,
@@ -101,10 +100,9 @@ class MooncakeMixin(EnginesMixin):
             pp_rank=req.pp_rank,
             addr=req.addr,
             registered_at=utc_iso(time.time()),
-            lease=lease,
         )
         key = keys.mooncake(gid, req.dp_rank, req.tp_rank, req.pp_rank)
-        return Put(key, keys.dump(record), lease=lease)
+        return Put(key, keys.dump(record))
 
     async def mooncake_query(self, engine_id: str) -> dict[str, Any]:
         """The current engine's live workers as vLLM's bootstrap server answers
@@ -112,11 +110,19 @@ class MooncakeMixin(EnginesMixin):
         unknown engine id, 410 for a superseded one, so a decode fails the request at once."""
         state = await self.resolve(engine_id)
         snap = await self.store.range(keys.mooncake_prefix(state.engine.group_id))
+        records = [MooncakeRecord.model_validate_json(e.value) for e in snap.entries]
+        # An engine the registry issued (the plugin's) has agents with leases: a worker is
+        # live while its rank's agent is. A plain vLLM's engine (its launch id is its engine
+        # id) has none: its workers live until the engine is superseded or its group deleted.
+        issued = state.engine.launch_id != state.engine.engine_id
+        pp_size = 1 + max((r.pp_rank for r in records), default=0)
+        tp_size = max(1, state.engine.tp_size // pp_size)
         answer: dict[str, Any] = {}
-        for entry in snap.entries:
-            record = MooncakeRecord.model_validate_json(entry.value)
+        for record in records:
             if base_engine_id(record.engine_id, record.dp_rank) != engine_id:
                 continue  # written for another generation: never the case, but be strict
+            if issued and record.pp_rank * tp_size + record.tp_rank not in state.agents:
+                continue  # its rank's agent is gone (lease ended, deregistered) or not yet in
             dp = answer.setdefault(
                 str(record.dp_rank), {"engine_id": record.engine_id, "worker_addr": {}}
             )

@@ -79,7 +79,6 @@ class MooncakeRecord(BaseModel):
     pp_rank: int
     addr: str
     registered_at: str
-    lease: int | None = None  # its rank's agent's, when it had a live one
 
 
 class IndexRecord(BaseModel):

@@ -82,15 +82,17 @@ def test_an_issued_engine_takes_workers_and_its_agents_leases(
 ) -> None:
     engine = reg.open(gid, tp_size=2)
     eid = engine["engine_id"]
-    reg.register(engine, 0, ttl_s=5)  # rank 0's agent: its entry rides on this lease
     for tp in (0, 1):
         assert api.post("/register", json=worker(eid, tp)).status_code == 200
+    assert query(api, eid).json() == {}  # no agent yet: not answered
+    reg.register(engine, 0, ttl_s=5)  # rank 0's agent, its lease not renewed
+    reg.register(engine, 1)  # rank 1's, 600 s
     assert sorted(query(api, eid).json()["0"]["worker_addr"]) == ["0", "1"]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # rank 0's lease ends unrenewed: its entry with it
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + 30:  # rank 0's lease ends: its worker leaves the answer
         if sorted(query(api, eid).json()["0"]["worker_addr"]) == ["1"]:
             break
-        time.sleep(0.5)
+        time.sleep(0.25)
     assert sorted(query(api, eid).json()["0"]["worker_addr"]) == ["1"]
 
 
