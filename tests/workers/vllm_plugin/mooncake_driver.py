@@ -1,13 +1,19 @@
 """Runs in `.venv-vllm`: vLLM's own MooncakeConnector bootstrap code against a bootstrap server.
 
-    python mooncake_driver.py '[STEP, ...]'
+    python mooncake_driver.py
 
-runs each step in turn, one vLLM import for all, and prints their results as one JSON list:
-``["register", HOST:PORT, ENGINE_ID, DP, TP, PP, ADDR]``, ``["query", BOOTSTRAP_URL,
-ENGINE_ID]``, ``["own-server"]``. The worker objects are vLLM's `MooncakeConnectorWorker` made
-without its `__init__` (which starts Mooncake's transfer engine, a GPU library); the methods
-called are vLLM's, unchanged: `register_worker_with_bootstrap` (a prefill rank's POST
-/register), `_connect_to_prefiller_bootstrap` and `handle_new_engine_id` (a decode's GET
+reads one step a line on stdin (JSON) and answers each with one JSON line, one vLLM import
+for all: ``["register", HOST:PORT, ENGINE_ID, DP, TP, PP, ADDR]``, ``["query",
+BOOTSTRAP_URL, ENGINE_ID]``, ``["own-server"]``, and with the engine-registry plugin's
+Mooncake part (workers/vllm_plugin/mooncake.py): ``["plugin-register", REGISTRY_URL,
+ENGINE_ID, TP, ADDR]`` (no bootstrap_server_address given: the plugin points it) and
+``["plugin-query", REGISTRY_URL, ROUTER_BOOTSTRAP_URL, ENGINE_ID]``. An answer's line starts
+with ``ANSWER`` (vLLM's own server logs to stdout too).
+
+The worker objects are vLLM's `MooncakeConnectorWorker` made without its `__init__` (which
+starts Mooncake's transfer engine, a GPU library); the methods called are vLLM's, unchanged:
+`register_worker_with_bootstrap` (a prefill rank's POST /register),
+`_connect_to_prefiller_bootstrap` and `handle_new_engine_id` (a decode's GET
 {remote_bootstrap_addr}/query and what it does with the answer), and vLLM's own
 `MooncakeBootstrapServer`.
 """
@@ -33,6 +39,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.stats import (
     MooncakeKVConnectorStats,
 )
 
+from workers.vllm_plugin import mooncake as plugin_mooncake
+from workers.vllm_plugin.settings import PluginSettings
+
 
 class Logged(logging.Handler):
     """vLLM's error lines, kept to show how it reacted."""
@@ -47,6 +56,8 @@ class Logged(logging.Handler):
 
 LOGGED = Logged()
 logging.getLogger("vllm").addHandler(LOGGED)
+ANSWER = "@answer "
+PLUGIN: list[PluginSettings] = []  # the plugin's settings as a step gives them
 
 
 def bare_worker() -> Any:
@@ -55,13 +66,23 @@ def bare_worker() -> Any:
     return worker
 
 
-def prefill_worker(bootstrap: str, engine_id: str, dp: int, tp: int, pp: int, addr: str) -> Any:
-    config = KVTransferConfig(
+def kv_config(engine_id: str, extra: dict[str, Any]) -> Any:
+    return KVTransferConfig(
         kv_connector="MooncakeConnector",
         kv_role="kv_producer",
         engine_id=engine_id,
-        kv_connector_extra_config={"bootstrap_server_address": bootstrap},
+        kv_connector_extra_config=extra,
     )
+
+
+def prefill_worker(
+    bootstrap: str | None, engine_id: str, dp: int, tp: int, pp: int, addr: str
+) -> Any:
+    if bootstrap is None:  # the plugin's
+        config = kv_config(engine_id, {})
+        plugin_mooncake.point_prefill(SimpleNamespace(kv_transfer_config=config), PLUGIN[-1])
+    else:
+        config = kv_config(engine_id, {"bootstrap_server_address": bootstrap})
     worker = bare_worker()
     host, _, port = addr.removeprefix("tcp://").rpartition(":")
     worker.vllm_config = SimpleNamespace(kv_transfer_config=config)
@@ -71,9 +92,10 @@ def prefill_worker(bootstrap: str, engine_id: str, dp: int, tp: int, pp: int, ad
 
 
 def register(
-    bootstrap: str, engine_id: str, dp: int, tp: int, pp: int, addr: str
+    bootstrap: str | None, engine_id: str, dp: int, tp: int, pp: int, addr: str
 ) -> dict[str, Any]:
     worker = prefill_worker(bootstrap, engine_id, dp, tp, pp, addr)
+    pointed = dict(worker.vllm_config.kv_transfer_config.kv_connector_extra_config)
     t0 = time.monotonic()
     try:
         asyncio.run(worker.register_worker_with_bootstrap())
@@ -85,9 +107,8 @@ def register(
             "error": type(exc).__name__,
             "status": status,
             "text": text,
-            "seconds": time.monotonic() - t0,
         }
-    return {"ok": True, "seconds": time.monotonic() - t0}
+    return {"ok": True, "seconds": time.monotonic() - t0, "bootstrap": pointed}
 
 
 def decode_worker() -> Any:
@@ -104,11 +125,13 @@ def decode_worker() -> Any:
     return worker
 
 
-def query(bootstrap_url: str, engine_id: str) -> dict[str, Any]:
+def query(bootstrap_url: str, engine_id: str, plugin: bool = False) -> dict[str, Any]:
     """A decode's first request naming ``engine_id`` at ``bootstrap_url``, through vLLM's
     `handle_new_engine_id`: found, it goes on to load the KV (``receive_kv``, the transfer,
     recorded here instead); not found, vLLM fails the request (its blocks reported invalid)."""
     worker = decode_worker()
+    if plugin:
+        assert plugin_mooncake.attach_decode(worker, PLUGIN[-1])
     meta = mc.PullReqMeta(
         d_req_id="req-1",
         transfer_id="xfer-1",
@@ -131,6 +154,7 @@ def query(bootstrap_url: str, engine_id: str) -> dict[str, Any]:
         "finished": sorted(worker.finished_recving_reqs),
         "seconds": seconds,
         "logged": LOGGED.lines,
+        "asked": meta.remote_bootstrap_addr,
     }
 
 
@@ -158,12 +182,19 @@ def step(args: list[Any]) -> dict[str, Any]:
         return register(*args[1:])
     if args[0] == "query":
         return query(*args[1:])
+    if args[0] == "plugin-register":
+        PLUGIN.append(PluginSettings(url=args[1], group="prefill-p"))
+        return register(None, args[2], 0, args[3], 0, args[4])
+    if args[0] == "plugin-query":
+        PLUGIN.append(PluginSettings(url=args[1], group="decode-p"))
+        return query(args[2], args[3], plugin=True)
     return own_server()
 
 
-def main(argv: list[str]) -> None:
-    print(json.dumps([step(args) for args in json.loads(argv[0])]), flush=True)
+def main() -> None:
+    for line in sys.stdin:
+        print(ANSWER + json.dumps(step(json.loads(line))), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
