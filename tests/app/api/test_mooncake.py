@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -120,3 +121,27 @@ def test_deleting_the_group_ends_its_workers(api: httpx.Client, gid: str) -> Non
     # the same launch again is a new group of its own
     assert api.post("/register", json=worker(eid)).status_code == 200
     assert query(api, eid).json()["0"]["engine_id"] == eid
+
+
+def test_two_launches_racing_leave_one_generation_with_its_own_workers(
+    api: httpx.Client, reg: Api, gid: str
+) -> None:
+    launches = [f"{gid}~{uuid.uuid4().hex}" for _ in range(2)]
+    jobs = [(eid, tp) for tp in range(8) for eid in launches]
+
+    def post(job: tuple[str, int]) -> tuple[str, int, int]:
+        eid, tp = job
+        with httpx.Client(base_url=str(api.base_url), timeout=30) as own:
+            return eid, tp, own.post("/register", json=worker(eid, tp)).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, jobs))
+    engine = reg.engine(gid)
+    current = engine["engine_id"]
+    assert engine["generation"] == 2
+    (old,) = [eid for eid in launches if eid != current]
+    problem(query(api, old), 410, "engine_superseded")
+    assert all(code == 200 for eid, _, code in answers if eid == current), answers
+    answered = {str(tp) for eid, tp, code in answers if eid == current}
+    assert set(query(api, current).json()["0"]["worker_addr"]) == answered
+    assert {code for eid, _, code in answers if eid == old} <= {200, 410}
