@@ -5,7 +5,7 @@ Keys in the store (``gid`` a group id, ``eid`` an engine id):
     groups/{gid}/engine           the current engine of the group (JSON EngineRecord)
     groups/{gid}/agents/{rank}    a live agent of the current engine, without its blob (lease)
     blobs/{gid}/{rank}            that agent's metadata blob, on the same lease
-    mooncake/{gid}/{dp}/{tp}/{pp} a MooncakeConnector prefill worker of the current engine
+    mooncake/{gid}/{eid}/{dp}/{tp}/{pp}  a MooncakeConnector prefill worker of engine eid
     launches/{gid}/{launch_id}    {engine_id, generation} of every launch the group has seen
     engines/{eid}                 {group_id, generation}: who was issued this engine_id
     groups/{gid}/serving          where the current engine's instance serves (no lease: it

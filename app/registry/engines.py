@@ -122,6 +122,7 @@ class EnginesMixin(RegistryBase):
         compares = [Compare(keys.engine(gid), engine_revision), Compare(launch_key, 0)]
         if engine_id is not None:
             compares.append(Compare(f"engines/{engine_id}", 0))
+        gone = [] if current is None else [keys.mooncake_prefix(gid, current.engine_id)]
         result = await self.store.txn(
             compares,
             [
@@ -130,8 +131,8 @@ class EnginesMixin(RegistryBase):
                 Put(f"engines/{engine.engine_id}", index_json),
                 Delete(keys.agent_prefix(gid), prefix=True),
                 Delete(f"blobs/{gid}/", prefix=True),
-                Delete(keys.mooncake_prefix(gid), prefix=True),  # the old launch's workers
                 Delete(keys.serving(gid)),  # the old launch's instance serves no more
+                *(Delete(prefix, prefix=True) for prefix in gone),  # its Mooncake workers
                 *also,
             ],
         )

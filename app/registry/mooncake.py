@@ -80,6 +80,8 @@ class MooncakeMixin(EnginesMixin):
         older generation's agents and Mooncake entries deleted and this worker's entry
         written, in one transaction; False when it lost a race (the caller re-reads)."""
         state = await self._group_or_none(gid)
+        if state is not None and state.engine.engine_id == base:
+            return False  # another worker of this launch opened it since the caller looked
         opened = await self._write_open(
             gid,
             OpenEngineRequest(launch_id=base, tp_size=1, role="prefill", compat={}),
@@ -101,7 +103,8 @@ class MooncakeMixin(EnginesMixin):
             addr=req.addr,
             registered_at=utc_iso(time.time()),
         )
-        key = keys.mooncake(gid, req.dp_rank, req.tp_rank, req.pp_rank)
+        base = base_engine_id(req.engine_id, req.dp_rank)
+        key = keys.mooncake(gid, base, req.dp_rank, req.tp_rank, req.pp_rank)
         return Put(key, keys.dump(record))
 
     async def mooncake_query(self, engine_id: str) -> dict[str, Any]:
@@ -109,7 +112,7 @@ class MooncakeMixin(EnginesMixin):
         (``{dp_rank: {engine_id, worker_addr: {tp_rank: {pp_rank: addr}}}}``); 404 for an
         unknown engine id, 410 for a superseded one, so a decode fails the request at once."""
         state = await self.resolve(engine_id)
-        snap = await self.store.range(keys.mooncake_prefix(state.engine.group_id))
+        snap = await self.store.range(keys.mooncake_prefix(state.engine.group_id, engine_id))
         records = [MooncakeRecord.model_validate_json(e.value) for e in snap.entries]
         # An engine the registry issued (the plugin's) has agents with leases: a worker is
         # live while its rank's agent is. A plain vLLM's engine (its launch id is its engine

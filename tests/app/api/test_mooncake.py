@@ -6,15 +6,37 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.app.api.conftest import Api, invalid, problem
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import RegistryProcess
+from tests.app.api.conftest import Api, invalid, problem, sqlite_url
 
-pytestmark = [pytest.mark.api, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.api, pytest.mark.timeout(90)]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "etcd"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RegistryProcess]:
+    """Each test on both stores: the workers' keys live beside the groups' (``mooncake/``)."""
+    d = tmp_path_factory.mktemp(f"mooncake-{request.param}")
+    if request.param == "sqlite":
+        with RegistryProcess(sqlite_url(d), log_path=d / "registry.log") as proc:
+            yield proc
+        return
+    if not etcd_available():
+        pytest.skip(SKIP_REASON)
+    with (
+        EtcdCluster(d / "etcd", size=1) as cluster,
+        RegistryProcess(cluster.url("mc"), log_path=d / "registry.log") as proc,
+    ):
+        yield proc
 
 
 def worker(
