@@ -7,7 +7,7 @@ from fastapi import FastAPI
 
 from app.api.handlers import exception_handlers
 from app.api.lifespan import lifespan
-from app.api.routes import engines, health, instances, keepalive, status_page, tp_groups
+from app.api.routes import engines, health, instances, keepalive, mooncake, status_page, tp_groups
 from app.core.metrics import Metrics
 from app.security.auth import AuthMiddleware
 from app.security.tokens import router as admin_router
@@ -34,6 +34,7 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     )
     app.include_router(tp_groups.router)
     app.include_router(engines.router)
+    app.include_router(mooncake.router)
     app.include_router(instances.router)
     app.include_router(health.router)
     app.include_router(status_page.router)

@@ -220,6 +220,28 @@ class ServingRequest(_Request):
         return None if value is None else bootstrap_address(value)
 
 
+MAX_PP_SIZE = 1024
+
+
+class MooncakeRegistration(_Request):
+    """What vLLM's MooncakeConnector prefill workers post to ``/register`` (docs/api.md
+    "Mooncake bootstrap"): the fields and types of its ``RegisterWorkerPayload``."""
+
+    engine_id: Annotated[str, StringConstraints(pattern=ENGINE_ID_PATTERN)]
+    dp_rank: Annotated[StrictInt, Field(ge=0, lt=MAX_DP_RANK)]
+    tp_rank: Annotated[StrictInt, Field(ge=0, lt=MAX_TP_SIZE)]
+    pp_rank: Annotated[StrictInt, Field(ge=0, lt=MAX_PP_SIZE)]
+    addr: Annotated[str, StringConstraints(min_length=9, max_length=266)]
+
+    @field_validator("addr")
+    @classmethod
+    def _tcp_host_port(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme.lower() != "tcp":
+            raise ValueError("addr must be tcp://host:port (the sender's ZMQ side channel)")
+        return "tcp://" + bootstrap_address(rest)
+
+
 # -- answers ---------------------------------------------------------------------------------
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from app.core.budgets import clip
 from app.core.errors import (
@@ -98,13 +98,17 @@ class EnginesMixin(RegistryBase):
         current: EngineRecord | None,
         engine_revision: int,
         leases: list[int],
+        engine_id: str | None = None,
+        also: Sequence[Put] = (),
     ) -> Engine | None:
         """The new engine written if the group's engine is still ``current`` (at
-        ``engine_revision``) and the launch never opened before; None when either fails."""
+        ``engine_revision``) and the launch never opened before; None when either fails.
+        ``engine_id``: one the launch chose (a Mooncake registration's, never issued before);
+        ``also``: written in the same transaction (that registration's entry)."""
         generation = 1 if current is None else current.generation + 1
         engine = EngineRecord(
             group_id=gid,
-            engine_id=str(uuid.uuid4()),
+            engine_id=engine_id or str(uuid.uuid4()),
             generation=generation,
             launch_id=req.launch_id,
             tp_size=req.tp_size,
@@ -116,8 +120,12 @@ class EnginesMixin(RegistryBase):
         index = IndexRecord(group_id=gid, generation=generation, engine_id=engine.engine_id)
         engine_json, index_json = keys.dump(engine), keys.dump(index)
         launch_key = _launch_key(gid, req.launch_id)
+        compares = [Compare(keys.engine(gid), engine_revision), Compare(launch_key, 0)]
+        if engine_id is not None:
+            compares.append(Compare(f"engines/{engine_id}", 0))
+        gone = [] if current is None else [keys.mooncake_prefix(gid, current.engine_id)]
         result = await self.store.txn(
-            [Compare(keys.engine(gid), engine_revision), Compare(launch_key, 0)],
+            compares,
             [
                 Put(keys.engine(gid), engine_json),
                 Put(launch_key, index_json),
@@ -125,6 +133,8 @@ class EnginesMixin(RegistryBase):
                 Delete(keys.agent_prefix(gid), prefix=True),
                 Delete(f"blobs/{gid}/", prefix=True),
                 Delete(keys.serving(gid)),  # the old launch's instance serves no more
+                *(Delete(prefix, prefix=True) for prefix in gone),  # its Mooncake workers
+                *also,
             ],
         )
         if not result.succeeded:
@@ -184,6 +194,7 @@ class EnginesMixin(RegistryBase):
                 Delete(keys.group_prefix(gid), prefix=True),
                 Delete(f"launches/{gid}/", prefix=True),
                 Delete(f"blobs/{gid}/", prefix=True),
+                Delete(keys.mooncake_prefix(gid), prefix=True),
                 *(Delete(f"engines/{eid}") for eid in sorted(engine_ids) if eid),
             ]
             result = await self.store.txn([Compare(keys.engine(gid), state.engine_revision)], ops)

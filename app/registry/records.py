@@ -66,6 +66,17 @@ class ServingRecord(BaseModel):
     published_by: str | None = None  # the name of the token that published it
 
 
+class MooncakeRecord(BaseModel):
+    """A MooncakeConnector prefill worker, as it registered (app/registry/mooncake.py)."""
+
+    engine_id: str  # as vLLM sent it: with its ``_dp{rank}`` suffix under data parallel
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    addr: str
+    registered_at: str
+
+
 class IndexRecord(BaseModel):
     group_id: str
     generation: int

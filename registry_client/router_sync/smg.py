@@ -54,6 +54,7 @@ class Wanted:
     role: str  # prefill | decode
     url: str  # grpc://host:port (vLLM's gRPC entrypoint) or http://host:port
     model: str
+    kv_connector: str = "NixlConnector"
 
     def spec(self, drain_s: int) -> dict[str, Any]:
         labels = {OWNER: "1", GROUP: self.group_id, ENGINE: self.engine_id}
@@ -64,7 +65,7 @@ class Wanted:
             "worker_type": self.role,
             "connection_mode": "grpc" if grpc else "http",
             "runtime_type": "vllm",
-            "kv_connector": "NixlConnector",
+            "kv_connector": self.kv_connector,
             "kv_engine_id": self.engine_id,
             "labels": labels,
             "health": {"drain_settle_secs": drain_s},
@@ -78,6 +79,15 @@ class Wanted:
             f"{self.role} {self.group_id} (generation {self.generation}, engine "
             f"{self.engine_id[:8]}) at {self.url}"
         )
+
+
+def connector_of(engine: Any) -> str:
+    """The engine's KV connector as smg names it: MooncakeConnector when its compat says so
+    (smg then gives decode ``remote_engine_id``, this generation's ``kv_engine_id``, and a
+    ``remote_bootstrap_addr`` built from the prefill's host, which the vLLM plugin's decode
+    replaces with the registry's), else NixlConnector."""
+    named = str((engine.compat or {}).get("kv_connector", ""))
+    return named if named == "MooncakeConnector" else "NixlConnector"
 
 
 def wanted(engines: Iterable[Any], model: str | None) -> tuple[list[Wanted], dict[str, str]]:
@@ -104,6 +114,7 @@ def wanted(engines: Iterable[Any], model: str | None) -> tuple[list[Wanted], dic
                 KINDS[item.kind],
                 str(published["url"]).rstrip("/"),
                 str(published["model"]),
+                connector_of(engine),
             )
     return [w for g, w in found.items() if g not in left_out], left_out
 

@@ -24,7 +24,15 @@ from registry_client.errors import EngineIdentityError, RegistryError
 from registry_client.models import AgentItem, EngineIdentity, KvSpec
 from workers.identity import sync_engine_id
 from workers.publication import Publication
-from workers.vllm_plugin import common, kv_watch, node_publish, pp_limit, stale, via_registry
+from workers.vllm_plugin import (
+    common,
+    kv_watch,
+    mooncake,
+    node_publish,
+    pp_limit,
+    stale,
+    via_registry,
+)
 from workers.vllm_plugin.common import log
 from workers.vllm_plugin.compat import compat_of
 from workers.vllm_plugin.decode_side import attach_decode_side
@@ -108,6 +116,8 @@ def worker_sync(config: Any) -> None:
                 ) from exc
         engine_id = common.vllm_engine_id(identity.engine_id, dp_rank)
         config.kv_transfer_config.engine_id = engine_id
+        if mooncake.is_mooncake(config):
+            mooncake.point_prefill(config, settings)
         _state.identity = identity
         _state.settings = settings
         _state.engine_id = engine_id
@@ -336,7 +346,10 @@ def attach_publication(connector: Any, config: Any) -> None:
     if settings is not None:
         kv_watch.attach(connector, kv_watch.KvWatch(warn_s=settings.kv_wait_warn_s))
         worker = getattr(connector, "connector_worker", None)
-        if worker is not None and common.role(config, settings) != "prefill":
+        decoding = worker is not None and common.role(config, settings) != "prefill"
+        if decoding and mooncake.is_mooncake(config):
+            mooncake.attach_decode(worker, settings)
+        elif decoding:
             side = via_registry.DecodeSide(
                 tp_size=_state.size,
                 rank=_state.rank,

@@ -139,16 +139,21 @@ class Pending:
 
     async def settle_keys(self, keys: Iterable[str]) -> None:
         """Wait until none of ``keys`` has a change on its way to the file."""
+        keys = list(keys)
         deadline = time.monotonic() + self.timeout_s
+        waited: _Item | None = None
         while True:
             latest: _Item | None = None
             for key in keys:
                 item = self.keys.get(key)
                 if item is not None and (latest is None or item[0] > latest[0]):
                     latest = item
-            if latest is None:
+            if latest is None or latest is waited:
+                # (``waited``: committed, its bookkeeping callback has yet to run; waiting on
+                # it again would return at once, never yielding to the loop that runs it)
                 return
-            await self.durable(latest[1], deadline)
+            await self.durable(latest[1], deadline)  # raises if it failed
+            waited = latest
 
     async def settle_prefix(self, prefix: str) -> None:
         """Wait until nothing under ``prefix`` is on its way to the file."""
