@@ -11,7 +11,8 @@ the headroom (``logical``). The replica that granted or renewed a lease ends it 
 by the rules of the SQLite store's lease clock (``app/store/lease_clock.py``):
 
 - it asks etcd first (``LeaseTimeToLive``): a lease renewed through another replica, or
-  refreshed by a new etcd leader, has time again and stays;
+  refreshed by a new etcd leader, has time again, and is left to that replica, which sees
+  its own stalls (or to etcd's own expiry) until a renewal through this one;
 - a stall of this replica's loop is added to every lease it follows, at most ``headroom_s``
   since the lease's last renewal (``lease_clock.extend``), and a lease that a heartbeat in
   flight reached in time is spared (``lease_clock.sweep_cutoff``).
@@ -203,9 +204,13 @@ class Reaper:
             return False
         now = time.time()
         left = ttl_left - headroom(granted_ttl)
-        if left > 0:  # renewed elsewhere, or refreshed by a new leader: its clock restarts
+        if left > 0:  # renewed through another replica since (or refreshed by a new leader)
+            # That replica judges it now, crediting its own stalls, which this one cannot see:
+            # ended here at its logical time, a heartbeat waiting in that replica's stall
+            # would find it gone. So it is left to that replica, or to etcd's own expiry
+            # (ttl + headroom) if none renews it, until a renewal through this one.
             lease.grace = 0.0
-            expires_at = now + left
+            expires_at = now + ttl_left
         else:
             expires_at = now + left + lease.grace  # with the stalls credited to it
             if expires_at < sweep_cutoff(now):  # and no heartbeat in flight reached it in time
