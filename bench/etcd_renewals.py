@@ -7,6 +7,9 @@ fresh cluster, each at 1, 16 and 64 renewals in flight:
   baseline);
 - ``pool``: ``EtcdStore.refresh_lease`` as it is (a stream a renewal at a time from the
   member's pool of idle streams, through the store's failover and deadline);
+- ``one_stream``: a tick's renewals coalesced on one long-lived ``LeaseKeepAlive`` stream
+  (every request of the batch written, then every answer read), the floor of "renewals
+  coalesced per replica" (``docs/operations.md``: etcd still answers one request a lease);
 - ``gateway``: etcd's JSON gateway (``POST /v3/lease/keepalive``) on kept-alive HTTP/1.1
   connections, a minimal asyncio client: for reference (the store does not use it).
 
@@ -57,6 +60,44 @@ async def _stream_each(store: EtcdStore, lease_id: int) -> None:
         assert int(reply.TTL) > 0
     finally:
         call.cancel()
+
+
+class _OneStream:
+    """One long-lived keep-alive stream; ``renew_all`` renews a batch on it, pipelined."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        client = store._cluster.members[0].client
+        assert client is not None
+        self.call = client.leasestub.LeaseKeepAlive()
+
+    async def renew_all(self, leases: list[int]) -> None:
+        for lease_id in leases:
+            await self.call.write(rpc.LeaseKeepAliveRequest(ID=lease_id))
+        for lease_id in leases:
+            reply = await self.call.read()
+            assert int(reply.ID) == lease_id
+            assert int(reply.TTL) > 0
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+async def _measure_batched(
+    cluster: EtcdCluster, one: _OneStream, leases: list[int], batch: int, n: int
+) -> dict[str, float]:
+    """As ``_measure``, with ``batch`` renewals a batch on one stream (batches in turn)."""
+    picks = [leases[i % len(leases)] for i in range(n)]
+    await one.renew_all(picks[:batch])  # warm
+    etcd0, cpu0, t0 = _etcd_cpu_s(cluster), time.process_time(), time.perf_counter()
+    for at in range(0, n, batch):
+        await one.renew_all(picks[at : at + batch])
+    elapsed = time.perf_counter() - t0
+    return {
+        "in_flight": batch,
+        "cpu_us": round(1e6 * (time.process_time() - cpu0) / n),
+        "etcd_cpu_us": round(1e6 * (_etcd_cpu_s(cluster) - etcd0) / n),
+        "per_s": round(n / elapsed),
+    }
 
 
 class _Gateway:
@@ -123,6 +164,7 @@ async def _run(cluster: EtcdCluster, n: int) -> dict[str, Any]:
     await store.start()
     host, port = cluster.endpoints[0].split(":")
     gateway = _Gateway(host, int(port))
+    one = _OneStream(store)
     try:
         leases = [(await store.grant_lease(300)).id for _ in range(LEASES)]
 
@@ -134,16 +176,19 @@ async def _run(cluster: EtcdCluster, n: int) -> dict[str, Any]:
             "pool": pool,
             "gateway": gateway.renew,
         }
-        rows: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
+        rows: dict[str, list[dict[str, float]]] = {way: [] for way in [*ways, "one_stream"]}
         for in_flight in (1, 16, 64):
             for way, renew in ways.items():  # interleaved: the machine's drift hits all alike
                 say(f"etcd renewals: {way}, {in_flight} in flight")
                 rows[way].append(await _measure(cluster, renew, leases, in_flight, n))
-        for way in ("pool", "gateway"):
+            say(f"etcd renewals: one_stream, batches of {in_flight}")
+            rows["one_stream"].append(await _measure_batched(cluster, one, leases, in_flight, n))
+        for way in ("pool", "one_stream", "gateway"):
             for row, base in zip(rows[way], rows["stream_each"], strict=True):
                 row["cpu_vs_stream_each"] = round(row["cpu_us"] / base["cpu_us"], 2)
         return {"members": len(cluster.members), "renewals": n, "rows": rows}
     finally:
+        one.close()
         gateway.close()
         await store.close()
 

@@ -65,6 +65,18 @@ def _store_bytes(db: Path | None) -> int:
     return sum(p.stat().st_size for p in db.parent.glob(db.name + "*") if p.is_file())
 
 
+def _etcd_requests(cluster: Any) -> dict[str, float]:
+    """gRPC messages received so far by each method, on the store's preferred member (every
+    call goes there while it answers): a stream's messages each count."""
+    text = httpx.get(f"{cluster.members[0].client_url}/metrics", timeout=5).text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+            counts[method] = counts.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def _etcd_status(cluster: Any) -> dict[str, Any]:
     status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json"))
     sizes = [s["Status"]["dbSize"] for s in status]
@@ -140,8 +152,14 @@ def one_row(
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
     warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
     env = stream_env(ranks // TP) if renew == "stream" else {}
+    idle_etcd = None
+    if cluster is not None:  # etcd's own CPU with no registry on it (3 members' raft ticks)
+        before = sum(cpu_seconds(m.proc.pid) for m in cluster.members)
+        time.sleep(5.0)
+        idle_etcd = round((sum(cpu_seconds(m.proc.pid) for m in cluster.members) - before) / 5, 3)
     registry = RegistryProcess(store, host=HOST, log_path=log, env=env).start(timeout_s=60)
     marks: list[float] = []
+    etcd_marks: list[tuple[dict[str, float], float]] = []
     seen: dict[str, Any] = {}
 
     def after_window() -> dict[str, Any]:
@@ -162,6 +180,10 @@ def one_row(
             if start:
                 seen["rss_ready"] = rss_mib(pid)
             marks.append(cpu_seconds(pid))
+            if cluster is not None:  # etcd's own: requests received, every member's CPU
+                etcd_marks.append(
+                    (_etcd_requests(cluster), sum(cpu_seconds(m.proc.pid) for m in cluster.members))
+                )
 
         out = asyncio.run(
             fleet_run(
@@ -182,6 +204,16 @@ def one_row(
     hold["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
     work = (hold["heartbeats_per_s"] + hold["handshakes_per_s"]) * window
     hold["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, work) * 1e6)
+    if etcd_marks:
+        (msgs0, ecpu0), (msgs1, ecpu1) = etcd_marks
+        sent = {m: msgs1[m] - msgs0.get(m, 0.0) for m in msgs1 if msgs1[m] > msgs0.get(m, 0.0)}
+        hold["etcd_requests_per_s"] = round(sum(sent.values()) / window)
+        hold["etcd_requests_per_heartbeat"] = round(
+            sum(sent.values()) / max(1.0, hold["heartbeats_per_s"] * window), 2
+        )
+        hold["etcd_requests_per_s_by_method"] = {m: round(n / window) for m, n in sent.items()}
+        hold["etcd_core_share"] = round((ecpu1 - ecpu0) / window, 3)
+        hold["etcd_core_share_idle"] = idle_etcd
     return {
         "ranks": ranks,
         "groups": ranks // TP,

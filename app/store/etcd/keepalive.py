@@ -33,11 +33,12 @@ MOST_STREAMS = 128
 
 @dataclass(frozen=True, slots=True)
 class Renewed:
-    """etcd's answer: the lease's TTL now (0: etcd no longer has it) and the store revision of
-    the member that answered, read just before the renewal."""
+    """etcd's answer: the lease's TTL now (0: etcd no longer has it), the store revision of
+    the member that answered, read just before the renewal, and its raft term."""
 
     ttl: int
     revision: int
+    term: int = 0
 
 
 class KeepAlives:
@@ -73,7 +74,8 @@ class KeepAlives:
                     raise ConnectionError(f"the lease keep-alive call ended: {exc!r}") from exc
                 raise
             self._idle.append(stream)
-            return Renewed(int(reply.TTL), int(reply.header.revision))
+            header = reply.header
+            return Renewed(int(reply.TTL), int(header.revision), int(header.raft_term))
 
     def close(self) -> None:
         idle, self._idle = self._idle, []

@@ -10,8 +10,10 @@ the headroom (``logical``). The replica that granted or renewed a lease ends it 
 ``LeaseRevoke``: etcd deletes its keys and the watch says so) once its logical time is out,
 by the rules of the SQLite store's lease clock (``app/store/lease_clock.py``):
 
-- it asks etcd first (``LeaseTimeToLive``): a lease renewed through another replica, or
-  refreshed by a new etcd leader, has time again and stays;
+- it asks etcd first (``LeaseTimeToLive``): a lease renewed through another replica (etcd's
+  raft term unchanged since its renewal here) is left to that replica, which sees its own
+  stalls, or to etcd's own expiry, until a renewal through this one; one a new leader
+  refreshed (a new term) has its clock restarted from etcd's figure;
 - a stall of this replica's loop is added to every lease it follows, at most ``headroom_s``
   since the lease's last renewal (``lease_clock.extend``), and a lease that a heartbeat in
   flight reached in time is spared (``lease_clock.sweep_cutoff``).
@@ -20,6 +22,17 @@ A lease no live replica follows (its replica was killed or restarted) is ended b
 at its ttl plus the headroom. So a dead rank is found within its ttl (plus ``interval_s``) while
 its replica runs, and within ttl + ``headroom_s`` at most; a lapse means the rank stopped
 renewing, unless a replica stalled for longer than the headroom.
+
+Why every renewal still reaches etcd (issue 51): etcd's TTL is the one clock every replica
+reads. Renewed in memory with etcd refreshed every L seconds, a lease's etcd deadline trails
+its last renewal by up to L: a replica that dies just after such a renewal lapses a live rank
+unless L < ttl - interval (with the headroom at the grace), which saves about one renewal
+in two at the default pace (interval ttl/3); and with a node's heartbeats spread over replicas
+by a load balancer, the replica whose figure runs out cannot tell from etcd whether another
+renewed it in memory since (it would end a live lease, or keep a dead one L longer). A
+renewal on one stream batched with others costs gRPC's per-message price all the same
+(``bench.etcd_renewals``). Fewer etcd requests need a record of renewals that every replica
+reads (each writing the leases it renewed once a tick, followed by watch) or a wider headroom.
 
 Every replica must run with the same ``REGISTRY_LEASE_GRACE_S``: a lease's headroom is read
 from its granted TTL (``headroom``), and a lease granted with none (ttl not above the
@@ -67,8 +80,9 @@ def logical(ttl_left: float, granted_ttl: int) -> float:
     return max(0.0, ttl_left - headroom(granted_ttl))
 
 
-# etcd's figures of a lease now: (TTL left, granted TTL); TTL left <= 0: etcd no longer has it.
-Ask = Callable[[int], Awaitable[tuple[float, int]]]
+# etcd's figures of a lease now: (TTL left, granted TTL, raft term); TTL left <= 0: etcd no
+# longer has it.
+Ask = Callable[[int], Awaitable[tuple[float, int, int]]]
 Revoke = Callable[[int], Awaitable[None]]
 
 
@@ -80,6 +94,7 @@ class Reaper:
         self._ask, self._revoke = ask, revoke
         self.interval_s = interval_s
         self.leases: dict[int, StoredLease] = {}
+        self._terms: dict[int, int] = {}  # lease -> etcd's raft term at its renewal here
         self._due: list[tuple[float, int]] = []  # heap; stale items are skipped
         self._credits = Credits()  # this loop's stalls, credited to the leases followed
         self._task: asyncio.Task[None] | None = None
@@ -94,8 +109,10 @@ class Reaper:
         if self._task is not None:
             self._task.cancel()
 
-    def noted(self, lease_id: int, ttl_s: int, remaining_s: float) -> None:
-        """This replica granted or renewed the lease: ``remaining_s`` of logical time."""
+    def noted(self, lease_id: int, ttl_s: int, remaining_s: float, term: int) -> None:
+        """This replica granted or renewed the lease (etcd at raft ``term``):
+        ``remaining_s`` of logical time."""
+        self._terms[lease_id] = term
         expires_at = now() + remaining_s
         lease = self.leases.get(lease_id)
         if lease is None:
@@ -108,6 +125,7 @@ class Reaper:
 
     def forget(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
+        self._terms.pop(lease_id, None)
 
     def grace(self, lease_id: int) -> float:
         """The stall time credited to the lease since its last renewal here."""
@@ -135,7 +153,7 @@ class Reaper:
         renewal that found it so is refused, as the SQLite store refuses a late one)."""
         if self._judge(lease_id, *await self._ask(lease_id)):
             await self._revoke(lease_id)
-            self.leases.pop(lease_id, None)
+            self.forget(lease_id)
             self.ended += 1
             return True
         return False
@@ -182,7 +200,7 @@ class Reaper:
                 gone = [i for i, f in zip(chunk, figures, strict=True) if self._judge(i, *f)]
                 await asyncio.gather(*(self._revoke(i) for i in gone))
                 for lease_id in gone:
-                    self.leases.pop(lease_id, None)
+                    self.forget(lease_id)
                 ended += len(gone)
                 self.ended += len(gone)
         except BaseException:
@@ -193,17 +211,25 @@ class Reaper:
             raise
         return ended
 
-    def _judge(self, lease_id: int, ttl_left: float, granted_ttl: int) -> bool:
+    def _judge(self, lease_id: int, ttl_left: float, granted_ttl: int, term: int) -> bool:
         """True: revoke it now. Else it is followed on with what etcd says it has."""
         lease = self.leases.get(lease_id)
         if lease is None:
             return False
         if ttl_left <= 0:  # etcd ended it already
-            self.leases.pop(lease_id, None)
+            self.forget(lease_id)
             return False
         at = now()
         left = ttl_left - headroom(granted_ttl)
-        if left > 0:  # renewed elsewhere, or refreshed by a new leader: its clock restarts
+        if left > 0 and term == self._terms.get(lease_id):  # renewed through another replica
+            # That replica judges it now, crediting its own stalls, which this one cannot see:
+            # ended here at its logical time, a heartbeat waiting in that replica's stall
+            # would find it gone. So it is left to that replica, or to etcd's own expiry
+            # (ttl + headroom) if none renews it, until a renewal through this one.
+            lease.grace = 0.0
+            expires_at = at + ttl_left
+        elif left > 0:  # a new leader (a new raft term) refreshed it: its clock restarts
+            self._terms[lease_id] = term
             lease.grace = 0.0
             expires_at = at + left
         else:

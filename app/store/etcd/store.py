@@ -91,7 +91,7 @@ class EtcdStore(Store):
         self._call = self._cluster.call
         self._probe_interval_s = probe_interval_s
         self._leases = LeaseBook(lease_cache_s)
-        self._asking: dict[int, asyncio.Task[tuple[float, int]]] = {}
+        self._asking: dict[int, asyncio.Task[tuple[float, int, int]]] = {}
         self.reaper = Reaper(self._lease_figures, self._expire)
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
         self._keepalives: weakref.WeakKeyDictionary[Any, KeepAlives] = weakref.WeakKeyDictionary()
@@ -184,18 +184,19 @@ class EtcdStore(Store):
         out = {lease: left for lease, left in known.items() if left is not None}
         ask = [lease for lease, left in known.items() if left is None]
         found = await asyncio.gather(*(self._lease_figures(k) for k in ask))
-        out |= {k: logical(*f) for k, f in zip(ask, found, strict=True)}
+        out |= {k: logical(f[0], f[1]) for k, f in zip(ask, found, strict=True)}
         if self.reaper.graced:  # this replica's stalls, credited to the leases it follows
             out = {k: left + self.reaper.grace(k) for k, left in out.items()}
         return out
 
-    async def _lease_figures(self, lease: int) -> tuple[float, int]:
-        """etcd's (TTL left, granted TTL) of the lease, asked once however many want it."""
+    async def _lease_figures(self, lease: int) -> tuple[float, int, int]:
+        """etcd's (TTL left, granted TTL, raft term) of the lease, asked once however many
+        want it."""
         if lease not in self._asking:  # one question per lease however many ask at once
             self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
         return await asyncio.shield(self._asking[lease])
 
-    async def _ask_lease(self, lease: int) -> tuple[float, int]:
+    async def _ask_lease(self, lease: int) -> tuple[float, int, int]:
         request = rpc.LeaseTimeToLiveRequest(ID=lease)
         try:
             info = await self._call(
@@ -203,9 +204,9 @@ class EtcdStore(Store):
             )
         finally:
             self._asking.pop(lease, None)
-        figures = max(0.0, float(info.TTL)), int(info.grantedTTL)
+        figures = max(0.0, float(info.TTL)), int(info.grantedTTL), int(info.header.raft_term)
         room = headroom(figures[1])
-        self._leases.asked(lease, logical(*figures), figures[1] - room)
+        self._leases.asked(lease, logical(figures[0], figures[1]), figures[1] - room)
         return figures
 
     # -- writes ----------------------------------------------------------------------------
@@ -248,15 +249,17 @@ class EtcdStore(Store):
         granted = await self._call(
             "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
         )
-        return self._followed(int(granted.ID), int(granted.TTL))
+        return self._followed(int(granted.ID), int(granted.TTL), int(granted.header.raft_term))
 
-    def _followed(self, lease_id: int, granted_ttl: int, revision: int | None = None) -> Lease:
-        """A lease this replica granted or renewed, now at its full ``granted_ttl``: its
-        logical time, known to readers and followed by the reaper."""
+    def _followed(
+        self, lease_id: int, granted_ttl: int, term: int, revision: int | None = None
+    ) -> Lease:
+        """A lease this replica granted or renewed (at raft ``term``), now at its full
+        ``granted_ttl``: its logical time, known to readers and followed by the reaper."""
         ttl = granted_ttl - headroom(granted_ttl)
         self._leases.granted(lease_id, float(ttl))
         if not self._closed:
-            self.reaper.noted(lease_id, ttl, float(ttl))
+            self.reaper.noted(lease_id, ttl, float(ttl), term)
             self.reaper.start()
         return Lease(lease_id, ttl, float(ttl), revision)
 
@@ -275,7 +278,7 @@ class EtcdStore(Store):
             self._leases.granted(lease_id, None)
             self.reaper.forget(lease_id)
             return None
-        return self._followed(lease_id, renewed.ttl, renewed.revision)
+        return self._followed(lease_id, renewed.ttl, renewed.term, renewed.revision)
 
     async def revoke_lease(self, lease_id: int) -> None:
         request = rpc.LeaseRevokeRequest(ID=lease_id)
