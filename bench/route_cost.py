@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import tempfile
@@ -39,7 +40,11 @@ from bench.storm_core import COMPAT
 from harness.server import RegistryProcess
 
 TTL_S = 600
-MODES = ("on", "off")
+MODES = ("on", "asgi", "off")
+# "asgi": the fast path's ASGI layer alone (app/server/bypass/fastpath.py, a plain ASGI app in
+# front of FastAPI), without its layers on uvicorn's internals (hot.py, wire.py,
+# keepalive_wire.py): the process's serve() is told they are unavailable.
+ASGI_ONLY = "import app.server.serve as serve\nserve.wanted = lambda fast_path: False\n"
 Samples = dict[str, list[tuple[float, float]]]  # "route|mode": (CPU µs a request, requests/s)
 
 
@@ -48,8 +53,13 @@ def servers(where: Path) -> Iterator[dict[str, RegistryProcess]]:
     with contextlib.ExitStack() as stack:
         procs = {}
         for mode in MODES:
-            env = {"REGISTRY_FAST_PATH": "true" if mode == "on" else "false"}
+            env = {"REGISTRY_FAST_PATH": "false" if mode == "off" else "true"}
             env["REGISTRY_LOG_LEVEL"] = "warning"
+            if mode == "asgi":
+                site = where / "asgi-site"
+                site.mkdir()
+                (site / "sitecustomize.py").write_text(ASGI_ONLY)
+                env["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
             store = f"sqlite:///{where / f'{mode}.db'}"
             procs[mode] = stack.enter_context(
                 RegistryProcess(store, env=env, log_path=where / f"{mode}.log")
@@ -185,7 +195,7 @@ async def measure(
             await load(t, fleet)
         rng = random.Random(1)
         for r in range(rounds):
-            order = targets if r % 2 == 0 else targets[::-1]
+            order = targets[r % 3 :] + targets[: r % 3]  # each mode first in turn
             picks = [rng.choice(fleet.groups) for _ in range(per_round)]
             for kind in STEADY:
                 for t in order:
@@ -213,6 +223,7 @@ def table(samples: Samples) -> dict[str, Any]:
         rows.setdefault(kind, {})[mode] = {"cpu_us": round(cpu, 1), "per_s": round(rate)}
     for row in rows.values():
         row["saving"] = round(1 - row["on"]["cpu_us"] / row["off"]["cpu_us"], 3)
+        row["asgi_saving"] = round(1 - row["asgi"]["cpu_us"] / row["off"]["cpu_us"], 3)
     return rows
 
 
