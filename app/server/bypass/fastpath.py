@@ -15,9 +15,7 @@ Workers send these few requests thousands of times a second at fleet scale:
 The node's heartbeat is what the worker library sends by default (a leader per node): at
 100,000 ranks, 1,250 a second. Each route here saves at least 20% of the registry's CPU a
 request against the full stack (``python -m bench.route_cost``, ``docs/benchmarks.md``); a
-node's batched registration saved 13-25% and is FastAPI's. Only the ``wired`` routes are
-taken by the layers on uvicorn's internals (``hot``, ``wire``): where those save at least 20%
-more than this layer alone.
+node's batched registration saved 13-25% and is FastAPI's.
 
 This layer, inside the auth and observability middleware and in front of the body limit and
 FastAPI's router, answers them when the request is valid (its body within the same limit: a
@@ -120,9 +118,6 @@ class FastPath:
             by_path["/tp-groups/{group_id}/engine/agents/heartbeat"],
         )
         self._reg: Registry | None = None  # the app's, set by its lifespan before any request
-        # The routes the layers on uvicorn's internals take too (see the module): the
-        # heartbeats, 23-34% below this layer alone; the others 3-17%.
-        self.wired = (self.heartbeat, self.heartbeat_batch)
 
     def match(self, method: str, parts: list[str]) -> tuple[Handler, BaseRoute] | None:
         n = len(parts)

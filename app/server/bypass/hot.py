@@ -8,8 +8,7 @@ writes the status line and headers, then the body, as two writes (two syscalls, 
 the client reads apart). In the launch storm that was about a fifth of the event loop's time
 per request (``docs/benchmarks.md``).
 
-This app is the one uvicorn calls. For a wired hot route (``FastPath.wired``: where this
-saves 20% more than ``FastPath`` alone, the heartbeats) whose request needs
+This app is the one uvicorn calls. For a hot route (``FastPath.match``) whose request needs
 nothing the outer layers do (no query string, no ``X-Forwarded-*`` header, credentials that
 pass), it runs the same pieces in one frame: the request id and metrics of
 :class:`~app.server.middleware.ObserveMiddleware`, the check of
@@ -107,7 +106,6 @@ class HotPath:
         if (
             entry is None
             or segments is None
-            or all(entry is not wired for wired in fast.wired)  # FastPath's own (its module)
             or any(name in _FORWARDED for name, _ in headers)
             or over_limit(scope, fast.limit)
         ):

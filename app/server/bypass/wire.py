@@ -11,14 +11,14 @@ order) and counts and logs it as ``ObserveMiddleware`` does. On this machine tha
 uvicorn's own cost of a request from about 100 µs to about 40 (``docs/benchmarks.md``).
 
 Only a request that arrives on an idle connection (no answer in progress, nothing
-pipelined), HTTP/1.1 kept alive, with a ``Content-Length`` within the body limit (never a
-chunked body), no ``Expect``, and writes not paused, is taken (``HotPath.take``: the wired
-routes, the heartbeats); any other goes to uvicorn as before. A request the fast path hands
-on (``Fallback``: a body that does not validate, say) becomes uvicorn's cycle with its body
-already read and goes to the full stack under ``HotPath`` (``HotPath.inner``), which answers
-it exactly as before. While an answer is being made the connection holds a placeholder cycle,
-so requests pipelined behind it wait their turn in uvicorn's pipeline, and a shutdown closes
-the connection after the answer.
+pipelined), HTTP/1.1 kept alive, with a ``Content-Length`` within the body limit (or a
+``GET`` with no body length), never a chunked body, no ``Expect``, and writes not paused, is
+taken; any other goes to uvicorn as before. A request the fast path hands on (``Fallback``: a
+body that does not validate, say) becomes uvicorn's cycle with its body already read and goes
+to the full stack under ``HotPath`` (``HotPath.inner``), which answers it exactly as before.
+While an answer is being made the connection holds a placeholder cycle, so requests pipelined
+behind it wait their turn in uvicorn's pipeline, and a shutdown closes the connection after
+the answer.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class WireProtocol(HttpToolsProtocol):
         ):
             return False
         method = parser.get_method().decode("ascii")
-        if not self._sized(hot.limit):
+        if not self._sized(hot.limit, bodyless=method == "GET"):
             return False
         try:
             path = url.decode("ascii")
@@ -92,10 +92,10 @@ class WireProtocol(HttpToolsProtocol):
         self._hot = (taken, [])
         return True
 
-    def _sized(self, limit: int) -> bool:
-        """One ``Content-Length`` within ``limit``: a body the parser bounds (the wired
-        routes, the heartbeats, have one). A chunked body, or none, goes to uvicorn, whose
-        flow control bounds what it holds (this path pauses nothing)."""
+    def _sized(self, limit: int, *, bodyless: bool) -> bool:
+        """A ``Content-Length`` within ``limit``, or none for a ``bodyless`` method: a body
+        the parser bounds. A chunked one, whatever the method, goes to uvicorn, whose flow
+        control bounds what it holds (this path pauses nothing)."""
         length = None
         for name, value in self.headers:
             if name == b"transfer-encoding":
@@ -104,7 +104,7 @@ class WireProtocol(HttpToolsProtocol):
                 if length is not None or not value.isdigit():
                     return False
                 length = int(value)
-        return length is not None and length <= limit
+        return bodyless if length is None else length <= limit
 
     def _hot_body(self, body: bytes) -> bool:
         if self._hot is None:
@@ -119,7 +119,7 @@ class WireProtocol(HttpToolsProtocol):
         taken, chunks = self._hot
         self._hot = None
         scope: Any = self.scope
-        raw = b"".join(chunks)
+        raw = b"".join(chunks) if scope["method"] != "GET" else None
         hot = self.app
         assert isinstance(hot, HotPath)
         self.cycle = answering = self._answering = _Answering()

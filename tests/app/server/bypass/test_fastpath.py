@@ -162,7 +162,7 @@ def test_batched_registrations_and_heartbeats_answer_alike(
 def test_the_fast_path_takes_the_routes_where_it_pays() -> None:
     """Matched by the fast path, not left to FastAPI's stack: the routes where it saves at
     least 20% of the registry's CPU (``bench.route_cost``); the node's batched registration
-    (13-25%) is FastAPI's. Only the heartbeats are wired (the hot path, in one write)."""
+    (13-25%) is FastAPI's."""
     from app.api.routes import engines, tp_groups
     from app.server.bypass.fastpath import FastPath
 
@@ -180,7 +180,6 @@ def test_the_fast_path_takes_the_routes_where_it_pays() -> None:
     }
     for (method, path), expected in cases.items():
         assert fast.match(method, path.split("/")) == expected, (method, path)
-    assert fast.wired == (fast.heartbeat, fast.heartbeat_batch)
 
 
 # -- the hot path (app/server/bypass/hot.py): one write on uvicorn's connection, as uvicorn would
