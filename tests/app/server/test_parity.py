@@ -180,10 +180,17 @@ def test_a_flooding_stream_leaves_other_clients_served(tmp_path: Path, mode: str
 # -- 4. a stream whose client stops reading ----------------------------------------------------
 
 
+DEADLINES = {  # the idle deadline (2 s), or the ping's (a ping a second, 1 s for its pong)
+    "idle": {"REGISTRY_KEEPALIVE_IDLE_S": "2"},
+    "ping": {"REGISTRY_KEEPALIVE_IDLE_S": "600", "REGISTRY_KEEPALIVE_PING_S": "1"},
+}
+
+
+@pytest.mark.parametrize("deadline", DEADLINES)
 def test_a_stream_whose_client_reads_nothing_ends_at_its_deadline_and_frees_its_slot(
-    tmp_path: Path, mode: str
+    tmp_path: Path, mode: str, deadline: str
 ) -> None:
-    env = {"REGISTRY_KEEPALIVE_MAX": "1", "REGISTRY_KEEPALIVE_IDLE_S": "2"}
+    env = {"REGISTRY_KEEPALIVE_MAX": "1", **DEADLINES[deadline]}
     with start(tmp_path, mode, **env) as proc, httpx.Client(base_url=proc.url, timeout=30) as api:
         ranks = list(range(32))
         engine_id = launch(api, "g", len(ranks))
@@ -212,7 +219,7 @@ def test_a_stream_whose_client_reads_nothing_ends_at_its_deadline_and_frees_its_
         waited = time.monotonic() - stalled
         assert statuses[-1] == 101, (
             f"the slot still held {waited:.0f} s after the client stopped reading "
-            f"(idle deadline 2 s): upgrades answered {statuses}"
+            f"({deadline} deadline 2 s): upgrades answered {statuses}"
         )
 
 
