@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from harness.etcd import EtcdCluster
 from harness.server import RegistryProcess
@@ -267,3 +268,41 @@ def test_an_oversized_body_on_a_hot_route_answers_413(
             assert answer.json()["code"] == "payload_too_large"
             content = iter([body[:1000], body[1000:]]) if chunked else body
         assert api.get("/tp-groups/g/engine").status_code == 200
+
+
+# -- frame sizes, kinds and compression -----------------------------------------------------
+
+
+def test_frames_of_every_kind_answer_alike_and_an_oversized_one_closes_1009(
+    tmp_path: Path, mode: str
+) -> None:
+    with start(tmp_path, mode) as proc, httpx.Client(base_url=proc.url, timeout=30) as api:
+        engine_id = launch(api, "g", 2)
+        message = renewal("g", engine_id, [0, 1])
+        ws = RawStream(proc.port)
+        try:
+            assert ws.status == 101
+            half = len(message) // 2
+            frames = [
+                ws_frame(message),  # text
+                ws_frame(message, opcode=0x2),  # binary: the same renewal
+                bytes((0x01, 0x80 | half))
+                + b"\0\0\0\0"
+                + message[:half]  # fragmented
+                + ws_frame(message[half:], opcode=0x0),
+                ws_frame(b"x" * 100, opcode=0x9),  # a ping: its pong
+                ws_frame(message),
+            ]
+            ws.sock.sendall(b"".join(frames))
+            got = [ws.frame() for _ in range(5)]  # the pong may come before the answers
+            assert [p for op, p in got if op == 0xA] == [b"x" * 100], got
+            answers = [json.loads(p) for op, p in got if op == 0x1]
+            assert [[a["rank"] for a in x["agents"]] for x in answers] == [[0, 1]] * 4, got
+            ws.sock.sendall(ws_frame(b"[" + b" " * 65_536 + b"]"))  # past 65,535 bytes
+            assert ws.close_code() == 1009
+        finally:
+            ws.close()
+        url = proc.url.replace("http://", "ws://") + "/keepalive"
+        with connect(url, open_timeout=5, proxy=None, compression="deflate") as deflated:
+            deflated.send(message.decode())
+            assert [a["rank"] for a in json.loads(deflated.recv(timeout=10))["agents"]] == [0, 1]
