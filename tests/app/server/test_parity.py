@@ -2,9 +2,10 @@
 runs against a real registry process with ``REGISTRY_FAST_PATH`` true and false and must give
 the same answer within the same bound. A chunked body on a hot GET, renewals flooding a
 keep-alive stream (on etcd: what waits is bounded; on SQLite: other clients are still served),
-a stream whose client stops reading (its deadline ends it and frees its slot), a text frame
-that is not UTF-8 (1007). Memory is the server process's RSS (``/proc/<pid>/status``); every
-sender stops early once the bound is passed."""
+a stream whose client stops reading (its idle or ping deadline ends it and frees its slot), a
+text frame that is not UTF-8 (1007), frames of every kind and size, bodies past the limit.
+Memory is the server process's RSS (``/proc/<pid>/status``); every sender stops early once
+the bound is passed."""
 
 from __future__ import annotations
 
