@@ -33,6 +33,7 @@ from app.server.bypass.keepalive import FAST_MAX
 from app.server.protocol import guarded_protocol
 from app.server.settings import Settings, is_loopback_host
 from app.server.shedding import install
+from app.server.websocket import GuardedWebSocket
 
 log = logging.getLogger("app")
 
@@ -97,8 +98,9 @@ def uvicorn_options(settings: Settings, *, bypass: bool | None = None) -> dict[s
             settings.body_timeout_s,
             bypass=bypass,
         ),
-        # Keep-alive streams: renewals read in the connection's protocol with the bypass on.
-        "ws": _keepalive_wire() if bypass else "auto",
+        # Keep-alive streams: renewals read in the connection's protocol with the bypass on;
+        # either way one protocol whose deadlines end a stream (app/server/websocket.py).
+        "ws": _keepalive_wire() if bypass else GuardedWebSocket,
         "ws_max_size": FAST_MAX,
         "ws_ping_interval": settings.keepalive_ping_s,
         "ws_ping_timeout": settings.keepalive_ping_s,

@@ -1,7 +1,8 @@
 """Hostile input against a real registry process (issue #15): free-form JSON nested past a
 depth limit, non-finite numbers, lone surrogates, odd request ids, bodies on bodyless routes,
 and a handshake whose plan is as large as the contract allows. Each is refused cleanly (422 or
-413, problem+json) or answered cheaply, and the registry stays healthy afterwards."""
+413, problem+json) or answered cheaply, and the registry stays healthy afterwards: the same
+with the fast path on and off (``mode``; tests/app/server/test_parity.py has the limits)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ import pytest
 from app.core.schemas import MAX_TP_SIZE
 from harness.server import RegistryProcess
 from tests.support.faults import agent_body
-from tests.support.hostile import assert_problem, open_engine, raw_exchange, serve
+from tests.support.hostile import (
+    FAST_PATHS,
+    assert_problem,
+    open_engine,
+    path_env,
+    raw_exchange,
+    serve,
+)
 
 pytestmark = pytest.mark.faults
 
@@ -32,10 +40,15 @@ ACCEPTED_DEPTH = KV_DEPTH_LIMIT // 2
 REFUSED_DEPTHS = [KV_DEPTH_LIMIT * 2, 200, 1000]
 
 
+@pytest.fixture(scope="module", params=FAST_PATHS)
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+def shared(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[RegistryProcess]:
     where = tmp_path_factory.mktemp("hostile")
-    proc = serve(where, where / "registry.db")
+    proc = serve(where, where / "registry.db", env=path_env(mode))
     try:
         yield proc
     finally:
@@ -46,6 +59,17 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess
 def http(shared: RegistryProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=shared.url, timeout=10.0) as c:
         yield c
+
+
+@pytest.fixture
+def client(tmp_path: Path, mode: str) -> Iterator[httpx.Client]:
+    """A fresh registry of its own, on ``mode``."""
+    proc = serve(tmp_path, tmp_path / "registry.db", env=path_env(mode))
+    try:
+        with httpx.Client(base_url=proc.url, timeout=30.0) as c:
+            yield c
+    finally:
+        proc.kill()
 
 
 _gids = iter(range(1_000_000))
@@ -275,9 +299,10 @@ BODY_LIMIT = 1024
 
 
 @pytest.fixture(scope="module")
-def small_body(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+def small_body(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[httpx.Client]:
     where = tmp_path_factory.mktemp("bodylimit")
-    proc = serve(where, where / "registry.db", env={"REGISTRY_MAX_BODY_BYTES": str(BODY_LIMIT)})
+    env = path_env(mode, REGISTRY_MAX_BODY_BYTES=str(BODY_LIMIT))
+    proc = serve(where, where / "registry.db", env=env)
     try:
         with httpx.Client(base_url=proc.url, timeout=10.0) as c:
             yield c
@@ -323,10 +348,10 @@ HANDSHAKE_PATIENCE_S = 10.0
 
 @pytest.mark.timeout(60)
 def test_a_handshake_against_the_largest_tp_size_answers_fast_and_healthz_stays_fast(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     # A server of its own, killed with SIGKILL: a slow handshake must not hold up the others.
-    server = serve(tmp_path, tmp_path / "registry.db")
+    server = serve(tmp_path, tmp_path / "registry.db", env=path_env(mode))
     try:
         with httpx.Client(base_url=server.url, timeout=10.0) as http:
             engine = open_engine(http, "wide", tp_size=MAX_TP_SIZE)

@@ -27,9 +27,11 @@ import pytest
 
 from harness.server import RegistryProcess
 from tests.support.hostile import (
+    FAST_PATHS,
     PROBLEM,
     log_of,
     open_engine,
+    path_env,
     require_tools,
     serve,
     socket_fds,
@@ -46,9 +48,11 @@ CLOSE_MARGIN_S = 3.0
 DEFAULT_IDLE_BOUND_S = 65.0
 
 
-@pytest.fixture
-def short_headers(tmp_path: Path) -> Iterator[RegistryProcess]:
-    server = serve(tmp_path, tmp_path / "registry.db", env=SHORT_HEADERS)
+@pytest.fixture(params=FAST_PATHS)
+def short_headers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[RegistryProcess]:
+    """With the fast path on and off (its wire path is a base of the protocol class)."""
+    env = path_env(request.param, **SHORT_HEADERS)
+    server = serve(tmp_path, tmp_path / "registry.db", env=env)
     try:
         yield server
     finally:

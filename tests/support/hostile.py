@@ -10,12 +10,14 @@ freezes is a context manager whose ``finally`` thaws and unmounts, even when the
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -311,3 +313,99 @@ def open_engine(
     assert resp.status_code == 201, resp.text
     engine: dict[str, Any] = resp.json()
     return engine
+
+
+# -- both paths, raw WebSocket -------------------------------------------------------------
+
+FAST_PATHS = ("fast", "full")  # REGISTRY_FAST_PATH on, and off (the control): same answers
+
+
+def path_env(mode: str, **more: str) -> dict[str, str]:
+    """The environment of a registry serving on ``mode`` (one of :data:`FAST_PATHS`)."""
+    return {"REGISTRY_FAST_PATH": "true" if mode == "fast" else "false", **more}
+
+
+def ws_frame(payload: bytes, opcode: int = 0x1) -> bytes:
+    """A client's final frame, masked with a zero key (the payload as it is on the wire)."""
+    n = len(payload)
+    if n < 126:
+        head = bytes((0x80 | opcode, 0x80 | n))
+    elif n < 65_536:
+        head = bytes((0x80 | opcode, 0x80 | 126)) + n.to_bytes(2, "big")
+    else:
+        head = bytes((0x80 | opcode, 0x80 | 127)) + n.to_bytes(8, "big")
+    return head + b"\0\0\0\0" + payload
+
+
+class RawStream:
+    """A WebSocket upgrade to ``/keepalive`` over a plain socket: the frames sent as given,
+    read only when asked (``rcvbuf``: a small receive buffer, for a client that stops reading)."""
+
+    def __init__(self, port: int, *, rcvbuf: int | None = None, timeout_s: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(("127.0.0.1", port))
+        key = base64.b64encode(os.urandom(16))
+        self.sock.sendall(
+            b"GET /keepalive HTTP/1.1\r\nHost: registry\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: "
+            + key
+            + b"\r\n\r\n"
+        )
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, self.rest = data.partition(b"\r\n\r\n")
+        self.status = int(head.split(b" ", 2)[1]) if head else 0
+
+    def _exactly(self, n: int) -> bytes:
+        while len(self.rest) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the server closed the stream")
+            self.rest += chunk
+        got, self.rest = self.rest[:n], self.rest[n:]
+        return got
+
+    def frame(self) -> tuple[int, bytes]:
+        """The next frame from the server (unmasked): its opcode and payload."""
+        b0, b1 = self._exactly(2)
+        n = b1 & 0x7F
+        if n >= 126:
+            n = int.from_bytes(self._exactly(2 if n == 126 else 8), "big")
+        return b0 & 0x0F, self._exactly(n)
+
+    def close_code(self) -> int:
+        """Frames read until the server's close: its code (answers before it skipped)."""
+        for _ in range(1000):
+            opcode, payload = self.frame()
+            if opcode == 0x8:
+                return int.from_bytes(payload[:2], "big")
+        raise AssertionError("no close within 1000 frames")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def drain(sock: socket.socket, stop: threading.Event) -> threading.Thread:
+    """A thread reading (and dropping) what ``sock`` receives until ``stop`` or its end (the
+    socket's timeout, set before, is both threads': a sender's too)."""
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                if not sock.recv(1 << 20):
+                    return
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread

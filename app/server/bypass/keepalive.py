@@ -18,8 +18,9 @@ pong or a close goes to uvicorn's protocol as it is, at a frame boundary, so its
 state (the server's own pings) stays right; anything else (a fragmented message, a binary or
 larger frame) turns the fast path off for the connection, and the route's loop answers from
 then on.
-Renewals are answered one at a time, in order (one that waits holds the next ones back); a
-client that stops reading its answers is cut off past ``WRITE_LIMIT`` bytes unread.
+Renewals are answered one at a time, in order (one that waits holds the next ones back, unread);
+a text frame that is not UTF-8 closes the stream (1007); a client that stops reading its
+answers is cut off (the connection aborted) past ``WRITE_LIMIT`` bytes unread.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ _GROUP = re.compile(GROUP_ID_PATTERN)
 
 def parse_renewal(data: Any) -> tuple[str, HeartbeatsRequest]:
     """A message's group and heartbeat, else ``InvalidRequest`` naming what is wrong."""
-    try:
-        message = json.loads(data)
+    try:  # bytes as UTF-8, as a text frame's (json.loads would guess UTF-16 or -32 from NULs)
+        message = json.loads(data.decode() if isinstance(data, bytes) else data)
     except (ValueError, TypeError, RecursionError):
         message = None
     if not (isinstance(message, list) and len(message) == 3 and isinstance(message[0], str)):

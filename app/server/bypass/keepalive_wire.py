@@ -1,29 +1,34 @@
 """Keep-alive renewals read in the WebSocket connection's protocol (`KeepAliveWire`, a subclass
-of uvicorn's sans-I/O WebSocket protocol: an internal `app.server.bypass.INTERNALS` checks).
-See `app.server.bypass.keepalive` for what the route and this protocol share."""
+of the guarded sans-I/O WebSocket protocol, `app.server.websocket`: an internal of uvicorn that
+`app.server.bypass.INTERNALS` checks). See `app.server.bypass.keepalive` for what the route and
+this protocol share.
+
+Reading is bounded as uvicorn bounds it for the route: frames are answered at most ``BATCH`` in
+one turn of the loop (a flooding stream yields to every other client between batches), and
+while whole frames wait (the batch used, or a renewal in a task: etcd) reading is paused, so
+what waits is at most one read of the socket."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import deque
 from typing import Any
 
-from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.speedups import apply_mask  # websockets' C mask (uvicorn[standard])
 
 from app.server.bypass.inline import Waiting
 from app.server.bypass.keepalive import EXTENSION, WRITE_LIMIT, Renewer, pong_frame, text_frame
+from app.server.websocket import BATCH, GuardedWebSocket
 
 log = logging.getLogger("app")
 
 
-class KeepAliveWire(WebSocketsSansIOProtocol):
-    _buffer = b""
+class KeepAliveWire(GuardedWebSocket):
+    _buffer = b""  # bytes read and not yet answered (whole frames only while reading is held)
     _slow = False  # the fast path is off for this connection
-    _busy = False  # a renewal is being answered
-    _waiting: deque[tuple[bytes, float]] | None = None
+    _busy = False  # a renewal is being answered (a task): the frames after it wait
+    _held = False  # reading is paused here
     _wire: Renewer | None = None  # the route's, once the stream is open
     _heard = 0.0  # loop time of the last renewal read here
 
@@ -54,14 +59,33 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
         return self._wire
 
     def data_received(self, data: bytes) -> None:
-        renewer = self._renewer()
-        if renewer is None:
+        if self._renewer() is None and not self._buffer:
             super().data_received(data)
             return
-        buf = self._buffer + data if self._buffer else data
-        out: list[bytes] = []  # the answers of this read, written at once, in order
-        pos, end = 0, len(buf)
-        while end - pos >= 2:
+        self._buffer = self._buffer + data if self._buffer else data
+        if not self._busy:
+            self._read()
+
+    def _hand_over(self, rest: bytes) -> None:
+        """The rest of the bytes are uvicorn's protocol's (its reading, its own pauses)."""
+        self._buffer = b""
+        self._release()
+        if rest:
+            super().data_received(rest)
+
+    def _read(self) -> None:
+        """Answer the whole frames read, at most ``BATCH`` now: the answers in one write."""
+        if self.transport.is_closing():
+            self._buffer = b""
+            return
+        renewer = self._renewer()
+        buf = self._buffer
+        if renewer is None:
+            self._hand_over(buf)
+            return
+        out: list[bytes] = []  # the answers of this batch, written at once, in order
+        pos, end, budget = 0, len(buf), BATCH
+        while end - pos >= 2 and budget and not self._busy:
             b0, b1 = buf[pos], buf[pos + 1]
             length, head = b1 & 0x7F, 6
             if length == 126:
@@ -70,12 +94,12 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
                 length, head = int.from_bytes(buf[pos + 2 : pos + 4], "big"), 8
             if b1 & 0x80 == 0 or length == 127 or (b0 != 0x81 and not 0x88 <= b0 <= 0x8A):
                 self._slow = True  # not for this path: uvicorn's reads the rest
-                self._buffer = b""
                 self._flush(out)
-                super().data_received(buf[pos:])
+                self._hand_over(buf[pos:])
                 return
             if end - pos < head + length:
                 break
+            budget -= 1
             start = pos + head
             pos = start + length
             if b0 == 0x89 and length < 126:  # a ping: its pong, in order with the answers
@@ -85,21 +109,46 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
                 self._flush(out)  # the answers before it go first
                 super().data_received(buf[start - head : pos])
                 if self._renewer() is None:
-                    self._buffer = b""
-                    if pos < end:
-                        super().data_received(buf[pos:])
+                    self._hand_over(buf[pos:])
                     return
                 continue
             payload = apply_mask(buf[start:pos], buf[start - 4 : start])
+            if not self._utf8(payload):
+                self._flush(out)
+                return
             self._heard = self.loop.time()
-            if self._busy:  # a renewal waits (a task): this one after it, in order
-                if self._waiting is None:
-                    self._waiting = deque()
-                self._waiting.append((payload, time.monotonic()))
-            else:
-                self._run(renewer, payload, time.monotonic(), out)
+            self._run(renewer, payload, time.monotonic(), out)
         self._buffer = buf[pos:]
         self._flush(out)
+        if self._busy or not budget:  # frames may wait: read no more until they are answered
+            self._hold()
+            if not self._busy:
+                self.loop.call_soon(self._read)  # the next batch after the others' turn
+        else:
+            self._release()
+
+    def _utf8(self, payload: bytes) -> bool:
+        """A text frame is UTF-8, else the stream closes with 1007 (as uvicorn's own path)."""
+        try:
+            payload.decode()
+        except UnicodeDecodeError:
+            self._buffer = b""
+            self._release()
+            self.conn.send_close(1007, "invalid UTF-8")
+            self.handle_parser_exception()
+            return False
+        return True
+
+    def _hold(self) -> None:
+        if not self._held and not self.transport.is_closing():
+            self._held = True
+            self.transport.pause_reading()
+
+    def _release(self) -> None:
+        if self._held:
+            self._held = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     def _run(self, renewer: Renewer, payload: bytes, arrived: float, out: list[bytes]) -> None:
         """One renewal: its answer added to ``out`` when it needed no wait, else its task."""
@@ -124,7 +173,7 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
             transport.write(out[0] if len(out) == 1 else b"".join(out))
             if transport.get_write_buffer_size() > WRITE_LIMIT:
                 log.warning("keep-alive stream cut off: its client reads no answers")
-                transport.close()
+                transport.abort()  # a close would wait for the unread answers to flush
         out.clear()
 
     def _done(self, task: asyncio.Task[bytes | None]) -> None:
@@ -137,10 +186,7 @@ class KeepAliveWire(WebSocketsSansIOProtocol):
             self.transport.close()
             return
         answer = task.result()
-        out = [] if answer is None else [text_frame(answer)]
-        renewer = self._wire  # the renewals read before a switch to uvicorn's path, too
-        while self._waiting and not self._busy and renewer is not None:
-            if self.close_sent or self.transport.is_closing():
-                break
-            self._run(renewer, *self._waiting.popleft(), out)
-        self._flush(out)
+        if answer is not None:
+            self._flush([text_frame(answer)])
+        if not self.transport.is_closing():
+            self._read()  # the frames that waited, then reading again

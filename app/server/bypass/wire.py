@@ -12,12 +12,13 @@ uvicorn's own cost of a request from about 100 µs to about 40 (``docs/benchmark
 
 Only a request that arrives on an idle connection (no answer in progress, nothing
 pipelined), HTTP/1.1 kept alive, with a ``Content-Length`` within the body limit (or a
-``GET``), no ``Expect``, and writes not paused, is taken; any other goes to uvicorn as
-before. A request the fast path hands on (``Fallback``: a body that does not validate, say)
-becomes uvicorn's cycle with its body already read and goes to the full stack under
-``HotPath`` (``HotPath.inner``), which answers it exactly as before. While an answer is being
-made the connection holds a placeholder cycle, so requests pipelined behind it wait their
-turn in uvicorn's pipeline, and a shutdown closes the connection after the answer.
+``GET`` with no body length), never a chunked body, no ``Expect``, and writes not paused, is
+taken; any other goes to uvicorn as before. A request the fast path hands on (``Fallback``: a
+body that does not validate, say) becomes uvicorn's cycle with its body already read and goes
+to the full stack under ``HotPath`` (``HotPath.inner``), which answers it exactly as before.
+While an answer is being made the connection holds a placeholder cycle, so requests pipelined
+behind it wait their turn in uvicorn's pipeline, and a shutdown closes the connection after
+the answer.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class WireProtocol(HttpToolsProtocol):
         ):
             return False
         method = parser.get_method().decode("ascii")
-        if method != "GET" and not self._sized(hot.limit):
+        if not self._sized(hot.limit, bodyless=method == "GET"):
             return False
         try:
             path = url.decode("ascii")
@@ -91,14 +92,19 @@ class WireProtocol(HttpToolsProtocol):
         self._hot = (taken, [])
         return True
 
-    def _sized(self, limit: int) -> bool:
-        """A ``Content-Length`` within ``limit`` (a chunked body goes to uvicorn)."""
+    def _sized(self, limit: int, *, bodyless: bool) -> bool:
+        """A ``Content-Length`` within ``limit``, or none for a ``bodyless`` method: a body
+        the parser bounds. A chunked one, whatever the method, goes to uvicorn, whose flow
+        control bounds what it holds (this path pauses nothing)."""
+        length = None
         for name, value in self.headers:
-            if name == b"content-length":
-                return value.isdigit() and int(value) <= limit
             if name == b"transfer-encoding":
                 return False
-        return False
+            if name == b"content-length":
+                if length is not None or not value.isdigit():
+                    return False
+                length = int(value)
+        return bodyless if length is None else length <= limit
 
     def _hot_body(self, body: bytes) -> bool:
         if self._hot is None:

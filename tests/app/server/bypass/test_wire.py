@@ -1,7 +1,7 @@
 """The hot routes answered in the connection's protocol (app/server/bypass/wire.py): in order with
-the
-requests uvicorn answers on the same connection, handing what the fast path does not answer
-to the full stack with its body already read, and under the same body deadline."""
+the requests uvicorn answers on the same connection, handing what the fast path does not answer
+to the full stack with its body already read, and under the same body deadline. Each runs with
+the fast path on and off (the control): the same answers."""
 
 from __future__ import annotations
 
@@ -16,16 +16,21 @@ import pytest
 from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body
 from tests.app.server.bypass.test_fastpath import _raw
+from tests.support.hostile import FAST_PATHS, path_env
 
 pytestmark = pytest.mark.api
 
 BODY_TIMEOUT_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryProcess]:
+@pytest.fixture(scope="module", params=FAST_PATHS)
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[RegistryProcess]:
     tmp = tmp_path_factory.mktemp("wire")
-    env = {"REGISTRY_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S), "REGISTRY_HEADER_TIMEOUT_S": "5"}
+    env = path_env(
+        request.param, REGISTRY_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S), REGISTRY_HEADER_TIMEOUT_S="5"
+    )
     with RegistryProcess(f"sqlite:///{tmp / 'r.db'}", log_path=tmp / "r.log", env=env) as proc:
         yield proc
 
