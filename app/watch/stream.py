@@ -143,6 +143,8 @@ class Watchers:
                 await asyncio.shield(self._drainer)
 
     async def _drain(self) -> None:
+        if not self.open:  # nothing to send: the feed's catch-up would only delay the exit
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DRAIN_S
         # Changes answered before the signal that the feed has not applied yet (bounded: a
