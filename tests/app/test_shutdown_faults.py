@@ -7,11 +7,14 @@
   ``shutting_down`` line, so the workers' watch client resumes on the registry restarted on
   the same SQLite file without listing again, and sees every acknowledged change; before,
   writes answered after the streams ended left the watcher behind the file's revision (410,
-  a relist in about two restarts of three under writes).
+  a relist in about two restarts of three under writes);
+- keep-alive streams open at SIGTERM are closed (1012) and the process exits within the bound.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -22,11 +25,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.asyncio.client import ClientConnection, connect
 
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
 from registry_client.watch import WatchEvent
-from tests.support.faults import open_body
+from tests.support.faults import agent_body, open_body
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -211,4 +215,51 @@ def test_writes_answered_during_sigterm_reach_the_watcher_before_its_stream_ends
     finally:
         if writers is not None:
             writers.stop()
+        proc.kill()
+
+
+STREAMS = 300
+
+
+async def _streams_at_sigterm(proc: RegistryProcess, gid: str, eid: str) -> tuple[float, set[int]]:
+    """``STREAMS`` keep-alive streams, each with a renewal answered, then SIGTERM: the seconds
+    until every stream was closed, and the close codes seen."""
+    url = proc.url.replace("http://", "ws://") + "/keepalive"
+    gate = asyncio.Semaphore(32)
+
+    async def opened() -> ClientConnection:
+        async with gate:
+            ws = await connect(url, open_timeout=30, compression=None, proxy=None)
+            await ws.send(json.dumps([gid, eid, [0]]))
+            answer = await asyncio.wait_for(ws.recv(), 30)
+            assert '"agents"' in str(answer), answer
+            return ws
+
+    streams = await asyncio.gather(*(opened() for _ in range(STREAMS)))
+    sent = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    await asyncio.wait_for(asyncio.gather(*(ws.wait_closed() for ws in streams)), 30)
+    closed = time.monotonic() - sent
+    return closed, {ws.close_code or 0 for ws in streams}
+
+
+def test_keep_alive_streams_close_at_sigterm_and_the_registry_exits_within_the_bound(
+    tmp_path: Path,
+) -> None:
+    """A guard of the drain's cost with streams open (it held on base too: 0.2-0.3 s for 300
+    here; 12,500 took 3-6 s on 2 loaded cores, docs/operations.md)."""
+    env = {"REGISTRY_KEEPALIVE_MAX": str(STREAMS + 64), "REGISTRY_MAX_CONNECTIONS": "2048"}
+    proc = RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", env=env).start()
+    try:
+        with httpx.Client(base_url=proc.url, timeout=10) as http:
+            opened = http.put("/tp-groups/g/engine", json=open_body())
+            eid = opened.json()["engine_id"]
+            registered = http.put("/tp-groups/g/engine/agents/0", json=agent_body(eid, 0))
+            assert registered.status_code == 201, registered.text
+        closed, codes = asyncio.run(_streams_at_sigterm(proc, "g", eid))
+        assert proc.proc is not None
+        proc.proc.wait(timeout=30)
+        assert closed < EXIT_S, f"the streams closed {closed:.1f} s after SIGTERM"
+        assert codes <= {1012, 1006}, codes  # service restart, or the connection cut
+    finally:
         proc.kill()
