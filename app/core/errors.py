@@ -15,6 +15,7 @@
     ├── RevisionCompacted     410      revision_compacted (oldest_revision)
     ├── RevisionAhead         410      revision_ahead (store_revision)
     ├── TooManyWatchers       503      too_many_watchers
+    ├── ShuttingDown          503      shutting_down
     ├── NotReady              503      not_ready (missing_ranks)
     └── StoreUnavailable      503      store_unavailable
 
@@ -183,6 +184,14 @@ class TooManyWatchers(RegistryError):
     status = 503
     code = "too_many_watchers"
     title = "This replica serves as many watches as it may"
+
+
+class ShuttingDown(RegistryError):
+    """SIGTERM: a new watch on a draining replica (`app.server.shutdown`)."""
+
+    status = 503
+    code = "shutting_down"
+    title = "This replica is shutting down"
 
 
 class NotReady(RegistryError):

@@ -14,7 +14,8 @@ adds, per connection:
   connection closes);
 - ``max_connections`` bounds open connections: past it the connection idle the longest is
   closed to make room (``503`` when every one is busy);
-- a malformed request gets a problem+json ``400`` (uvicorn's own is plain text).
+- a malformed request gets a problem+json ``400`` (uvicorn's own is plain text);
+- at shutdown, a request whose body has not all arrived answers ``503 shutting_down``.
 
 One watchdog timer per connection keeps all these deadlines (no timer per request). With the
 request bypass on (`app.server.bypass`), its wire path is a base of the class (`WireProtocol`).
@@ -218,6 +219,23 @@ class GuardedProtocol(_Unbypassed):
         # body completes in this same feed).
         self._in_body = True
         self._body_since = self.loop.time()
+
+    def shutdown(self) -> None:
+        # SIGTERM: a request whose body has not all arrived is answered 503 now (nothing of
+        # it ran: the client retries), not left to the body timer, past uvicorn's graceful
+        # timeout, which cancels it as a 500.
+        cycle = self.cycle
+        waiting = self._hot is not None or (cycle is not None and not cycle.response_started)
+        if self._in_body and waiting and not self.pipeline:
+            self._refuse(
+                503,
+                "Service Unavailable",
+                "shutting_down",
+                "This replica is shutting down: send the request again (another replica, "
+                "or this one once restarted).",
+            )
+            return
+        super().shutdown()
 
     def _body_too_slow(self) -> None:
         cycle = self.cycle

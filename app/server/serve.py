@@ -8,9 +8,9 @@ reset, which broke the 1,024- and 4,096-rank storms; it also outlives a worker's
 interval, so that connection is reused). ``max_connections`` is kept below the process's
 descriptor limit, whose soft value is raised to the hard one at start.
 
-On SIGTERM the registry drains first: every held ``wait_ready`` answers at once with the
-group's current state and every watch stream ends with a final ``shutting_down`` line, then
-uvicorn closes connections and the store.
+On SIGTERM the registry drains first (`app.server.shutdown`): held ``wait_ready``s answer,
+requests being answered finish, then every watch stream ends with a final ``shutting_down``
+line at the store's revision; then uvicorn closes connections and the store.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import asyncio
 import gc
 import logging
 import resource
+import socket
 import ssl
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -33,6 +33,7 @@ from app.server.bypass.keepalive import FAST_MAX
 from app.server.protocol import guarded_protocol
 from app.server.settings import Settings, is_loopback_host
 from app.server.shedding import install
+from app.server.shutdown import drain
 from app.server.websocket import GuardedWebSocket
 
 log = logging.getLogger("app")
@@ -55,21 +56,18 @@ def raise_fd_limit() -> int:
 
 
 class RegistryServer(uvicorn.Server):
-    """uvicorn, draining the registry's held requests as soon as a shutdown signal comes."""
+    """uvicorn, with the registry's drain before its own shutdown (`app.server.shutdown`)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
         super().__init__(config)
         self._app = app
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        for held in ("registry", "watchers"):  # held long-polls, then watch streams
-            holder = getattr(self._app.state, held, None)
-            if holder is not None:
-                try:
-                    asyncio.get_running_loop().call_soon_threadsafe(holder.drain)
-                except RuntimeError:
-                    holder.drain()
-        super().handle_exit(sig, frame)
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await drain(self, self._app.state)
+        except Exception:  # uvicorn's own shutdown runs whatever happened
+            log.exception("the shutdown's drain failed")
+        await super().shutdown(sockets)
 
 
 def _keepalive_wire() -> type:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from app.core.errors import RevisionCompacted, TooManyWatchers
+from app.core.errors import RevisionCompacted, ShuttingDown, TooManyWatchers
 from app.core.metrics import Metrics
 from app.core.problems import error_line
 from app.watch.feed import Feed
@@ -62,13 +62,17 @@ class Watchers:
         self._monitor: asyncio.Task[None] | None = None
         self._broadcaster: asyncio.Task[None] | None = None
         self._drainer: asyncio.Task[None] | None = None
+        self._emptied = asyncio.Event()  # set when the last stream ends while draining
 
     async def watch(self, after: int | None, selector: Selector, timeout_s: float) -> WatchStream:
         """A stream of the changes after revision ``after`` (None: from now) that pass
         ``selector``. The stream counts against ``max_watchers`` from here on (admission and
         count are one step), until it ends or, never started, the hub sweeps it."""
         if self.draining:
-            raise TooManyWatchers("This replica is shutting down: watch another one.")
+            raise ShuttingDown(
+                "This replica is shutting down: watch another one (or this one once restarted) "
+                "from your revision."
+            )
         if len(self.open) >= self.max_watchers:
             raise TooManyWatchers(
                 f"This replica serves {self.max_watchers} watches (REGISTRY_WATCH_MAX): watch "
@@ -130,7 +134,17 @@ class Watchers:
         except RuntimeError:  # no loop running: nothing can be sent
             self._end_all()
 
+    async def drained(self) -> None:
+        """``drain``, then wait until every stream has been told to end (at most ``DRAIN_S``
+        and the feed's catch-up)."""
+        self.drain()
+        if self._drainer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._drainer)
+
     async def _drain(self) -> None:
+        if not self.open:  # nothing to send: the feed's catch-up would only delay the exit
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DRAIN_S
         # Changes answered before the signal that the feed has not applied yet (bounded: a
@@ -139,7 +153,10 @@ class Watchers:
             await asyncio.wait_for(self.feed.caught_up(DRAIN_S / 2), DRAIN_S / 2)
         for stream in list(self.open):
             stream.drain(deadline)
-        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        # Each stream ends itself once it sent what it had: the rest end at the deadline.
+        if self.open:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._emptied.wait(), max(0.0, deadline - loop.time()))
         self._end_all()
 
     def _end_all(self) -> None:
@@ -194,6 +211,8 @@ class Watchers:
     def removed(self, stream: WatchStream) -> None:
         self.open.discard(stream)
         self.metrics.watchers.set(len(self.open))
+        if self.draining and not self.open:
+            self._emptied.set()
 
     async def _watch_budgets(self) -> None:
         """While any stream is open: each one's unsent bytes against its budget."""

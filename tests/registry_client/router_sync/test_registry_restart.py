@@ -161,7 +161,8 @@ def test_a_watch_back_after_the_lapse_delivers_every_change_and_offers_the_prese
     # The lapse is the last change of a group; the store's head may be past it by the
     # lease_expired event's own write (under events/, recorded as the sweep ends the lease).
     assert published < revisions[-1] <= last
-    assert after[-1].engine is not None and after[-1].engine.engine_id == d2
+    assert after[-1].engine is not None
+    assert after[-1].engine.engine_id == d2
     assert gate.held > 0
     assert _back(caplog), caplog.text
 
