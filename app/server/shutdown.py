@@ -23,7 +23,7 @@ import time
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from app.server.protocol import GuardedProtocol
 
 log = logging.getLogger("app")
 
@@ -51,7 +51,7 @@ def _answering(connections: Collection[object], streaming: Collection[object]) -
     return [
         c
         for c in connections
-        if isinstance(c, HttpToolsProtocol)
+        if isinstance(c, GuardedProtocol)  # HTTP (with or without the wire path), not a WebSocket
         and not c.transport.is_closing()
         and c.transport not in streaming
     ]
