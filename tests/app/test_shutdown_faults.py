@@ -29,8 +29,8 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
-from registry_client.watch import WatchEvent
 from tests.support.faults import agent_body, open_body
+from tests.support.watch import ClientWatch
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -98,38 +98,6 @@ def test_a_body_in_flight_at_sigterm_is_answered_503_and_the_registry_exits_prom
         proc.kill()
 
 
-class Watcher:
-    """``client.watch()`` iterated on a thread; its events kept."""
-
-    def __init__(self, client: RegistryClient) -> None:
-        self.events: list[WatchEvent] = []
-        self.error: BaseException | None = None
-        self._watch = client.watch(idle_timeout_s=5, lost_after_s=60)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for event in self._watch:
-                self.events.append(event)
-        except BaseException as exc:  # the client closed under it at the end, or a failure
-            self.error = exc
-
-    def syncs(self) -> int:
-        return sum(e.type == "SYNC" for e in self.events)
-
-    def seen(self) -> set[str]:
-        listed = {g.group_id for e in self.events for g in e.groups}
-        return listed | {e.engine.group_id for e in self.events if e.engine is not None}
-
-    def wait_for(self, group: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while group not in self.seen():
-            assert self.error is None, f"the watch failed: {self.error!r}"
-            assert time.monotonic() < deadline, f"{group} not seen within {timeout_s} s"
-            time.sleep(0.02)
-
-
 class Writers:
     """Threads opening new groups as fast as the registry answers; the acknowledged kept."""
 
@@ -180,7 +148,7 @@ def test_writes_answered_during_sigterm_reach_the_watcher_before_its_stream_ends
     writers: Writers | None = None
     try:
         with RegistryClient(proc.url, timeout_s=5) as client:
-            watcher = Watcher(client)
+            watcher = ClientWatch(client, idle_timeout_s=5, lost_after_s=60)
             first = f"first-{uuid.uuid4().hex[:6]}"
             with httpx.Client(base_url=proc.url, timeout=10) as http:
                 assert http.put(f"/tp-groups/{first}/engine", json=open_body()).is_success

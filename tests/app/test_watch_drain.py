@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,50 +19,13 @@ import pytest
 
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
-from registry_client.watch import WatchEvent
 from tests.support.faults import agent_body, open_body
-from tests.support.watch import WatchLines
+from tests.support.watch import ClientWatch, WatchLines
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 
 RESTARTS = 8  # each: a burst, SIGTERM, a restart on the same file
 BURST = 25  # groups opened right before each SIGTERM
-
-
-class Watcher:
-    """``client.watch()`` iterated on a thread; its events kept."""
-
-    def __init__(self, client: RegistryClient) -> None:
-        self.events: list[WatchEvent] = []
-        self.error: BaseException | None = None
-        self._watch = client.watch(idle_timeout_s=5, lost_after_s=60)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for event in self._watch:
-                self.events.append(event)
-        except BaseException as exc:  # the client closed under it at the end, or a failure
-            self.error = exc
-
-    def syncs(self) -> int:
-        return sum(e.type == "SYNC" for e in self.events)
-
-    def added(self) -> list[str]:
-        return [e.engine.group_id for e in self.events if e.engine is not None]
-
-    def seen(self) -> set[str]:
-        """The groups in its events: changes, and lists (``SYNC``)."""
-        listed = {g.group_id for e in self.events for g in e.groups}
-        return listed | set(self.added())
-
-    def wait_for(self, group: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while group not in self.seen():
-            assert self.error is None, f"the watch failed: {self.error!r}"
-            assert time.monotonic() < deadline, f"{group} not seen within {timeout_s} s"
-            time.sleep(0.02)
 
 
 def opened(url: str, groups: list[str]) -> None:
@@ -84,7 +46,7 @@ def test_a_watcher_behind_at_sigterm_resumes_after_the_restart_without_listing_a
     relisted: list[int] = []  # the restarts after which the watcher listed again
     try:
         with RegistryClient(proc.url, timeout_s=5) as client:
-            watcher = Watcher(client)
+            watcher = ClientWatch(client, idle_timeout_s=5, lost_after_s=60)
             first = f"first-{uuid.uuid4().hex[:6]}"
             opened(proc.url, [first])
             watcher.wait_for(first, 15)

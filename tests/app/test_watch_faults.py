@@ -27,9 +27,8 @@ from app.server.settings import Settings
 from harness.etcd import ETCDCTL_BIN, EtcdCluster
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
-from registry_client.watch import WatchEvent
 from tests.support.faults import agent_body, open_body
-from tests.support.watch import WatchLines
+from tests.support.watch import ClientWatch, WatchLines
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(180)]
 
@@ -42,36 +41,6 @@ def gid(prefix: str) -> str:
 
 def key(event: dict[str, Any]) -> tuple[int, str, str]:
     return (int(event["revision"]), str(event["object"]["group_id"]), str(event["type"]))
-
-
-class Collector:
-    """A workers' watch iterated on a thread; its events kept."""
-
-    def __init__(self, client: RegistryClient, **kw: Any) -> None:
-        self.events: list[WatchEvent] = []
-        self.error: BaseException | None = None
-        self._watch = client.watch(**kw)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for event in self._watch:
-                self.events.append(event)
-        except BaseException as exc:  # the client closed under it at the end, or a failure
-            self.error = exc
-
-    def changes(self) -> list[tuple[int, str, str]]:
-        return [
-            (e.revision, e.engine.group_id, e.type) for e in self.events if e.engine is not None
-        ]
-
-    def wait(self, done: Any, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            assert self.error is None, f"the watch failed: {self.error!r}"
-            assert time.monotonic() < deadline, f"{what} not within {timeout_s} s: {self.events}"
-            time.sleep(0.05)
 
 
 def churn(url: str, groups: list[str], rounds: int, pause_s: float = 0.02) -> None:
@@ -110,7 +79,7 @@ def test_a_replica_killed_mid_stream_resumes_on_another_with_nothing_lost_or_dou
             WatchLines(reference_http, {"revision": start}) as reference,
             RegistryClient([a.url, b.url], timeout_s=5) as client,
         ):
-            watcher = Collector(client, revision=start, idle_timeout_s=3, lost_after_s=30)
+            watcher = ClientWatch(client, revision=start, idle_timeout_s=3, lost_after_s=30)
             writer = threading.Thread(target=churn, args=(b.url, groups, 60, 0.05))
             writer.start()
             watcher.wait(lambda: len(watcher.changes()) >= 15, 30, "15 changes before the kill")
@@ -168,7 +137,7 @@ def test_etcd_compacted_under_watchers_answers_410_and_they_relist(
             WatchLines(http, {"revision": start["revision"]}) as raw,
             RegistryClient(watched.url, timeout_s=10) as client,
         ):
-            watcher = Collector(client, idle_timeout_s=5, lost_after_s=60)
+            watcher = ClientWatch(client, idle_timeout_s=5, lost_after_s=60)
             watcher.wait(lambda: watcher.events, 10, "the first SYNC")
             os.kill(m0.proc.pid, signal.SIGSTOP)  # the watched replica's member freezes
             frozen = True

@@ -1,4 +1,5 @@
-"""A watch stream read line by line in a thread, for tests: every wait has a deadline."""
+"""Watch streams read in a thread, for tests: raw lines (`WatchLines`) or the workers' client
+(`ClientWatch`); every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 import httpx
+
+from registry_client.client import RegistryClient
+from registry_client.watch import WatchEvent
 
 
 class WatchLines:
@@ -69,3 +74,46 @@ class WatchLines:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class ClientWatch:
+    """``client.watch(**kw)`` iterated on a thread; its events kept."""
+
+    def __init__(self, client: RegistryClient, **kw: Any) -> None:
+        self.events: list[WatchEvent] = []
+        self.error: BaseException | None = None
+        self._watch = client.watch(**kw)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for event in self._watch:
+                self.events.append(event)
+        except BaseException as exc:  # the client closed under it at the end, or a failure
+            self.error = exc
+
+    def syncs(self) -> int:
+        return sum(e.type == "SYNC" for e in self.events)
+
+    def added(self) -> list[str]:
+        return [e.engine.group_id for e in self.events if e.engine is not None]
+
+    def changes(self) -> list[tuple[int, str, str]]:
+        return [
+            (e.revision, e.engine.group_id, e.type) for e in self.events if e.engine is not None
+        ]
+
+    def seen(self) -> set[str]:
+        """The groups in its events: changes, and lists (``SYNC``)."""
+        return {g.group_id for e in self.events for g in e.groups} | set(self.added())
+
+    def wait(self, done: Callable[[], object], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert self.error is None, f"the watch failed: {self.error!r}"
+            assert time.monotonic() < deadline, f"{what} not within {timeout_s} s: {self.events}"
+            time.sleep(0.02)
+
+    def wait_for(self, group: str, timeout_s: float) -> None:
+        self.wait(lambda: group in self.seen(), timeout_s, f"{group} seen")

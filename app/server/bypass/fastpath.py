@@ -9,13 +9,14 @@ Workers send these few requests thousands of times a second at fleet scale:
     PUT  /tp-groups/{group_id}/engine                      (rank 0 opens its launch)
     PUT  /tp-groups/{group_id}/engine/agents/{rank}
     POST /tp-groups/{group_id}/engine/agents/{rank}/heartbeat
+    PUT  /tp-groups/{group_id}/engine/agents               (a node's ranks, batched)
     POST /tp-groups/{group_id}/engine/agents/heartbeat     (a node's heartbeat, batched)
     POST /engines/{engine_id}/handshake
 
-The node's heartbeat is what the worker library sends by default (a leader per node): at
-100,000 ranks, 1,250 a second. Each route here saves at least 20% of the registry's CPU a
-request against the full stack (``python -m bench.route_cost``, ``docs/benchmarks.md``); a
-node's batched registration saved 13-25% and is FastAPI's.
+The batched pair is what the worker library sends by default (a leader per node): at
+100,000 ranks, 1,250 node heartbeats a second. Each route here saves at least 20% of the
+registry's CPU a request against the full stack, median of runs (``python -m bench.route_cost``,
+``docs/benchmarks.md``).
 
 This layer, inside the auth and observability middleware and in front of the body limit and
 FastAPI's router, answers them when the request is valid (its body within the same limit: a
@@ -48,6 +49,7 @@ from app.core.schemas import (
     HeartbeatsRequest,
     OpenEngineRequest,
     RegisterAgentRequest,
+    RegisterAgentsRequest,
 )
 from app.registry import Registry
 from app.security.auth import check_scope
@@ -81,9 +83,11 @@ def _group(text: str) -> str:
     return text
 
 
-# Where a body's ``Any`` values are: a registration's are kv's extra keys (kv at nesting 1).
+# Where a body's ``Any`` values are: a registration's are kv's extra keys (kv sits at nesting
+# 1 of a rank's body, 3 of a batch's: body -> agents -> [i] -> kv).
 FreeParts = tuple[Callable[[Any], list[dict[str, Any]]], int]
 _ONE_KV: FreeParts = (lambda body: [body.kv.__pydantic_extra__ or {}], 1)
+_BATCH_KV: FreeParts = (lambda body: [a.kv.__pydantic_extra__ or {} for a in body.agents], 3)
 _NONE: FreeParts = (lambda body: [], 0)  # a heartbeat's body: typed throughout
 
 
@@ -113,6 +117,7 @@ class FastPath:
             by_path["/tp-groups/{group_id}/engine/agents/{rank}/heartbeat"],
         )
         self.handshake = (self._handshake, by_path["/engines/{engine_id}/handshake"])
+        self.register_batch = (self._register_batch, by_path["/tp-groups/{group_id}/engine/agents"])
         self.heartbeat_batch = (
             self._heartbeat_batch,
             by_path["/tp-groups/{group_id}/engine/agents/heartbeat"],
@@ -128,6 +133,8 @@ class FastPath:
                 return self.open_engine if method == "PUT" else None
             if parts[3] != "agents":
                 return None
+            if n == 4:
+                return self.register_batch if method == "PUT" else None
             if n == 5:
                 if parts[4] == "heartbeat":
                     return self.heartbeat_batch if method == "POST" else None
@@ -205,6 +212,16 @@ class FastPath:
         gid, rank = _group(parts[1]), _rank(parts[4])
         body = _body(EngineIdBody, raw, _NONE)
         return 200, await self._registry(scope).heartbeat(gid, rank, body.engine_id)
+
+    async def _register_batch(
+        self, scope: Scope, parts: list[str], raw: bytes | None
+    ) -> tuple[int, BaseModel]:
+        gid = _group(parts[1])
+        body = _body(RegisterAgentsRequest, raw, _BATCH_KV)
+        client = scope.get("client")
+        return 200, await self._registry(scope).register_agents(
+            gid, body, client[0] if client else None
+        )
 
     async def _heartbeat_batch(self, scope: Scope, parts: list[str], raw: bytes | None) -> Result:
         gid = _group(parts[1])
