@@ -6,7 +6,7 @@ VLLM_SETUP_LOG := .venv-vllm-setup.log
 DEPLOY_LOG := .deploy-tier.log
 SOURCES := app registry_client workers harness tests bench
 
-.PHONY: run test test-tier test-vllm vllm-env check lint types system-deps bench bench-quick demo clean
+.PHONY: run test test-tier test-vllm test-gpu vllm-env check lint types system-deps bench bench-quick demo clean
 
 # The service alone: no torch, no nixl.
 $(VENV)/.service: pyproject.toml
@@ -55,7 +55,7 @@ test:
 	wait $$setup; vllm=$$?; cat $(VLLM_SETUP_LOG); \
 	if [ $$vllm -ne 0 ]; then echo "make test: scripts/setup-vllm.sh failed (exit $$vllm), its output above"; fi; \
 	if [ $$made -eq 0 ] && [ $$vllm -eq 0 ]; then \
-		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy"; others=$$?; \
+		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy and not gpu"; others=$$?; \
 	else others=2; fi; \
 	wait $$deploy; tier=$$?; echo "== the deploy tier, run beside the checks and tiers (exit $$tier) =="; \
 	cat $(DEPLOY_LOG); [ $$others -eq 0 ] && [ $$tier -eq 0 ]
@@ -63,7 +63,7 @@ test:
 
 # One tier (a marker: pyproject.toml lists them), e.g. `make test-tier TIER=unit`.
 test-tier: $(VENV)/.dev
-	@test -n "$(TIER)" || { echo "name a tier: make test-tier TIER=<unit|api|store|tls|ui|faults|workers|deploy|docs|vllm>"; exit 2; }
+	@test -n "$(TIER)" || { echo "name a tier: make test-tier TIER=<unit|api|store|tls|ui|faults|workers|deploy|docs|vllm|gpu>"; exit 2; }
 	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "$(TIER)"
 
 vllm-env:
@@ -71,6 +71,11 @@ vllm-env:
 
 test-vllm: $(VENV)/.dev vllm-env
 	ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest tests/workers/vllm_plugin -m vllm
+
+# The gpu tier alone, on a host with an NVIDIA GPU: its own environment (.venv-vllm-gpu: vLLM's
+# CUDA build, Mooncake), then tests/workers/vllm_plugin/test_mooncake_pd_gpu.py. Not in `test`.
+test-gpu:
+	bash scripts/gpu-mooncake.sh
 
 demo: $(VENV)/.dev
 	$(BIN)/engine-registry demo
@@ -82,4 +87,4 @@ bench-quick: $(VENV)/.dev system-deps
 	$(BIN)/python -m bench.run --quick
 
 clean:
-	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache .pytest_cache *.egg-info $(VLLM_SETUP_LOG) $(DEPLOY_LOG)
+	rm -rf $(VENV) .venv-vllm .venv-vllm-gpu .mypy_cache .ruff_cache .pytest_cache *.egg-info $(VLLM_SETUP_LOG) $(DEPLOY_LOG)

@@ -66,7 +66,7 @@ def test_a_module_without_a_tier_fails_collection_naming_itself_and_the_tiers(
     assert "ERROR collecting" in done.stdout, done.stdout
     assert f"{tmp_path / 'test_no_tier.py'}: every test module declares exactly one" in done.stdout
     assert "declares none" in done.stdout
-    assert "unit, api, store, tls, ui, faults, workers, deploy, docs, vllm" in done.stdout
+    assert "unit, api, store, tls, ui, faults, workers, deploy, docs, vllm, gpu" in done.stdout
     assert "passed" not in done.stdout
 
 

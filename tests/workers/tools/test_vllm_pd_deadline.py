@@ -1,7 +1,8 @@
 """The PD request's deadline, against scripted prefill/decode HTTP servers (no vLLM).
 
 A decode that never answers (as one waiting forever on a KV transfer) must fail the request
-within the bound, with decode's last log lines, and the launcher's proxy must answer 504.
+within the bound, with decode's last log lines, and the launcher's proxy must answer 504. The
+Mooncake PD request (the gpu tier's) names one transfer to both sides.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 import pytest
 
-from workers.tools.vllm_pd import PDTimeout, Proxy, pd_complete
+from workers.tools.vllm_pd import PDTimeout, Proxy, mooncake_pd_complete, pd_complete
 from workers.vllm_plugin.kv_watch import MARK as KV_WATCH_MARK
 
 pytestmark = pytest.mark.unit
 
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [1], "remote_port": 1}
+BODIES: dict[int, list[dict[str, Any]]] = {}  # what each server (by port) was sent
 
 
 class _Scripted(BaseHTTPRequestHandler):
@@ -42,7 +45,8 @@ class _Scripted(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length", 0)))
+        sent = self.rfile.read(int(self.headers.get("content-length", 0)))
+        BODIES.setdefault(self.server.server_port, []).append(json.loads(sent))
         self.release.wait(self.delay_s)
         body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}).encode()
         self.send_response(200)
@@ -118,3 +122,34 @@ def test_the_proxy_answers_504_with_decodes_log(servers: tuple[str, str]) -> Non
         proxy.stop()
     assert answer.status_code == 504
     assert "decode's tail" in answer.json()["error"]
+
+
+def test_a_mooncake_pd_request_names_one_transfer_and_the_prefill_engine_up_front(
+    servers: tuple[str, str],
+) -> None:
+    prefill, decode = servers
+    with pytest.raises(PDTimeout) as info:
+        mooncake_pd_complete(
+            prefill,
+            decode,
+            {"prompt": "p", "max_tokens": 8},
+            engine_id="e1",
+            bootstrap_addr="http://127.0.0.1:1",
+            timeout_s=1.0,
+            decode_logs=lambda: "decode's tail",
+        )
+    message = str(info.value)
+    assert f"decode {decode} (pulling KV from engine e1 over Mooncake)" in message
+    assert message.endswith("decode's tail")
+    (to_prefill,) = BODIES[int(prefill.rsplit(":", 1)[1])]
+    (to_decode,) = BODIES[int(decode.rsplit(":", 1)[1])]
+    transfer = to_prefill["kv_transfer_params"]["transfer_id"]
+    assert to_prefill["max_tokens"] == 1
+    assert to_prefill["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": transfer}
+    assert to_decode["max_tokens"] == 8
+    assert to_decode["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e1",
+        "remote_bootstrap_addr": "http://127.0.0.1:1",
+        "transfer_id": transfer,
+    }

@@ -35,6 +35,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if here not in Path(str(item.fspath)).parents:
             continue
+        # The gpu tier (test_mooncake_pd_gpu.py) runs its own vLLM build: not `-m vllm`.
+        if item.get_closest_marker("gpu") is not None:
+            continue
         if "vllm_workdir" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.vllm)
             if not _STAMP.exists():

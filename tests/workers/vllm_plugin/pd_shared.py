@@ -1,9 +1,11 @@
-"""What the real-vLLM PD tests share (`test_vllm_pd.py`): the registry, the one decode instance
-the module keeps, the prefill instance of the moment, vllm-router, and when each launch became
-healthy (for the requests-per-node summary)."""
+"""What the real-vLLM PD tests share (`test_vllm_pd.py`, and `test_mooncake_pd_gpu.py` with its
+own connector and shape): the registry, the one decode instance the module keeps, the prefill
+instance of the moment, vllm-router, and when each launch became healthy (for the
+requests-per-node summary)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,10 @@ class Shared:
     prefill: Instance | None = None
     routing_process: Routing | None = None
     launches: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    # Per role ("prefill", "decode"): `Instance` arguments beyond the defaults, `extra_env`
+    # added to the role's own; and the prefill's TP, one node per rank.
+    launch: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    prefill_tp: int = 2
 
     def routing(self) -> Routing:
         """vllm-router and router-sync, started once, kept across the tests."""
@@ -45,17 +51,24 @@ class Shared:
         assert self.decode_process is not None, "decode starts after each prefill is healthy"
         return self.decode_process
 
+    def _launch(self, role: str, env: Mapping[str, str]) -> dict[str, Any]:
+        given = dict(self.launch.get(role, {}))
+        given["extra_env"] = {**env, **given.get("extra_env", {})}
+        return given
+
     def decode_instance(self, **env: str) -> Instance:
+        # The KV-pull watch says every pull's stage (handshake pending, READ posted).
+        launch = self._launch("decode", {"ENGINE_REGISTRY_KV_WAIT_WARN_S": "0.001"})
+        launch["extra_env"].update(env)
         return Instance(
             "decode",
             self.model,
             self.workdir,
             registry_url=self.registry.url,
-            registry_token=self.registry.tokens.worker,
+            registry_token=self.registry.token("worker"),
             group="decode-0",
             role="decode",
-            # The KV-pull watch says every pull's stage (handshake pending, READ posted).
-            extra_env={"ENGINE_REGISTRY_KV_WAIT_WARN_S": "0.001", **env},
+            **launch,
         )
 
     def body(self, max_tokens: int = 8) -> dict[str, Any]:
@@ -67,7 +80,7 @@ class Shared:
         }
 
     def client(self, role: str = "reader") -> RegistryClient:
-        return RegistryClient(self.registry.url, token=getattr(self.registry.tokens, role))
+        return RegistryClient(self.registry.url, token=self.registry.token(role))
 
     def pd(self, prefill: Instance) -> tuple[httpx.Response, dict[str, Any]]:
         """A PD request through `prefill` and the shared decode, bounded, decode's log on fail."""
@@ -76,16 +89,16 @@ class Shared:
         )
 
     def prefill_instance(self, name: str, *, plugin: bool, **kw: Any) -> Instance:
+        launch = self._launch("prefill", {**NOFIX, "ENGINE_REGISTRY_TTL_S": "10"})
         return Instance(
             name,
             self.model,
             self.workdir,
-            tp=2,
-            nodes=2,
+            tp=self.prefill_tp,
+            nodes=self.prefill_tp,
             registry_url=self.registry.url if plugin else None,
-            registry_token=self.registry.tokens.worker,
+            registry_token=self.registry.token("worker"),
             group="prefill-0",
             role="prefill",
-            extra_env={**NOFIX, "ENGINE_REGISTRY_TTL_S": "10"},
-            **kw,
+            **{**launch, **kw},
         )
