@@ -11,6 +11,7 @@ side channel shows as a timeout against a closed port. The real vLLM runs in the
 from __future__ import annotations
 
 import contextlib
+import html
 import logging
 import os
 import tempfile
@@ -164,8 +165,8 @@ def test_the_handshake_loads_every_rank_from_the_registry_without_dialing(
             e["detail"] for e in events if e["kind"] == "handshake" and e["group_id"] == "prefill-a"
         ]
         assert any("decode group 'decode-a'" in d for d in details), details
-        page = client.request("GET", "/status").text
-        assert "decode group &#x27;decode-a&#x27; TP 1 ranks 0 planned against" in page
+        page = html.unescape(client.request("GET", "/status").text)  # escaped as text
+        assert "decode group 'decode-a' TP 1 ranks 0 planned against" in page
 
         # Side-channel mode really dials: the same call to the closed port times out.
         plain = StandInWorker()
