@@ -93,7 +93,7 @@ def _kept(groups: Groups, grace_s: float) -> str:
     blind_s = groups.blind()[0]
     if blind_s < grace_s:
         return f"routers keep the last list for {grace_s - blind_s:.0f} s more, the grace"
-    return f"blind {blind_s:.0f} s, past the {grace_s:g} s grace: nothing is offered"
+    return f"blind {blind_s:.0f} s, over the {grace_s:g} s grace: nothing is offered"
 
 
 def _retry_after(exc: Exception) -> float | None:
