@@ -55,7 +55,7 @@ test:
 	wait $$setup; vllm=$$?; cat $(VLLM_SETUP_LOG); \
 	if [ $$vllm -ne 0 ]; then echo "make test: scripts/setup-vllm.sh failed (exit $$vllm), its output above"; fi; \
 	if [ $$made -eq 0 ] && [ $$vllm -eq 0 ]; then \
-		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy and not gpu"; others=$$?; \
+		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy and not gpu" --durations=30; others=$$?; \
 	else others=2; fi; \
 	wait $$deploy; tier=$$?; echo "== the deploy tier, run beside the checks and tiers (exit $$tier) =="; \
 	cat $(DEPLOY_LOG); [ $$others -eq 0 ] && [ $$tier -eq 0 ]
