@@ -9,6 +9,7 @@ small body limit, gauges, kill -9) override ``server`` or start one with
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import uuid
 from collections.abc import Iterator
@@ -19,9 +20,23 @@ import httpx
 import pytest
 
 from harness.server import RegistryProcess
+from tests.app.conftest import READER, WORKER, tokens_file
 
 PROBLEM = "application/problem+json"
 _counter = itertools.count()
+
+
+@contextlib.contextmanager
+def tokened_registry(workdir: Path, *more_tokens: str) -> Iterator[RegistryProcess]:
+    """A registry on a SQLite file in ``workdir`` with a worker and a reader token (and
+    ``more_tokens`` lines): what the router-sync tests feed their routers from."""
+    tokens = tokens_file(workdir, f"worker:{WORKER}", f"reader:{READER}", *more_tokens)
+    with RegistryProcess(
+        f"sqlite:///{workdir / 'registry.db'}",
+        args=["--tokens-file", str(tokens)],
+        log_path=workdir / "registry.log",
+    ) as proc:
+        yield proc
 
 
 def sqlite_url(directory: Path) -> str:

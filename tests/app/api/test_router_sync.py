@@ -16,7 +16,8 @@ import pytest
 
 from harness.server import RegistryProcess
 from harness.serving_fleet import one_rank_agent
-from tests.app.conftest import READER, WORKER, tokens_file
+from tests.app.api.conftest import tokened_registry
+from tests.app.conftest import READER, WORKER
 from tests.support.pd_stand_in import StandIn, StandIns
 from workers.tools.procs import log_tail
 from workers.tools.routers import RouterSyncProcess, VllmRouterProcess
@@ -89,12 +90,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def registry(workdir: Path) -> Iterator[RegistryProcess]:
-    tokens = tokens_file(workdir, f"worker:{WORKER}", f"reader:{READER}")
-    with RegistryProcess(
-        f"sqlite:///{workdir / 'registry.db'}",
-        args=["--tokens-file", str(tokens)],
-        log_path=workdir / "registry.log",
-    ) as proc:
+    with tokened_registry(workdir) as proc:
         yield proc
 
 

@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from harness.server import RegistryProcess
+from tests.app.api.conftest import tokened_registry
 from tests.app.api.test_router_sync import Fleet, wait_for
-from tests.app.conftest import READER, WORKER, tokens_file
+from tests.app.conftest import READER
 from tests.support.pd_stand_in import StandIns
 from workers.tools.routers import RouterSyncProcess, SmgProcess
 
@@ -31,12 +32,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def registry(workdir: Path) -> Iterator[RegistryProcess]:
-    tokens = tokens_file(workdir, f"worker:{WORKER}", f"reader:{READER}")
-    with RegistryProcess(
-        f"sqlite:///{workdir / 'registry.db'}",
-        args=["--tokens-file", str(tokens)],
-        log_path=workdir / "registry.log",
-    ) as proc:
+    with tokened_registry(workdir) as proc:
         yield proc
 
 

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from harness.server import RegistryProcess
+from tests.app.api.conftest import tokened_registry
 from tests.app.api.test_router_sync import Fleet, wait_for
-from tests.app.conftest import ADMIN, READER, WORKER, tokens_file
+from tests.app.conftest import ADMIN, READER
 from tests.support.pd_stand_in import StandIns
 from workers.tools.routers import RouterSyncProcess, SmgProcess
 
@@ -30,12 +31,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def registry(workdir: Path) -> Iterator[RegistryProcess]:
-    tokens = tokens_file(workdir, f"worker:{WORKER}", f"reader:{READER}", f"admin:{ADMIN}")
-    with RegistryProcess(
-        f"sqlite:///{workdir / 'registry.db'}",
-        args=["--tokens-file", str(tokens)],
-        log_path=workdir / "registry.log",
-    ) as proc:
+    with tokened_registry(workdir, f"admin:{ADMIN}") as proc:
         yield proc
 
 
