@@ -1,7 +1,9 @@
-"""``python -m bench.route_cost [--groups N] [--rounds R] [--per-round K] [--launch L]``: the
-registry's CPU a request, for each route and message the fast path serves, with it on and off
-(``REGISTRY_FAST_PATH``), interleaved in one run: a route's fast path is kept only where it
-saves at least 20% (issue #50).
+"""``python -m bench.route_cost [--groups N] [--rounds R] [--per-round K] [--launch L]
+[--base DIR]``: the registry's CPU a request, for each route and message the fast path serves,
+with it on and off (``REGISTRY_FAST_PATH``), interleaved in one run: a route's fast path is
+kept only where it saves at least 20% (issue #50). ``--base DIR``: instead, this checkout
+against another one (``git worktree add --detach DIR <commit>``), both with the fast path, run
+from their own directories: each row's ``ratio`` is this checkout's CPU over the base's.
 
 Two registry processes (``python -m app serve``, SQLite), one with the fast path, one without,
 each given the same fleet of N TP 8 groups (``bench.fleet_load``'s bodies: 3,928-byte blobs
@@ -37,10 +39,11 @@ from bench.fleet import BLOB_BYTES, REGIONS
 from bench.fleet_load import TP, Fleet
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
-from harness.server import RegistryProcess
+from harness.server import ROOT, RegistryProcess
 
 TTL_S = 600
 MODES = ("on", "asgi", "off")
+AB_MODES = ("on", "base")
 # "asgi": the fast path's ASGI layer alone (app/server/bypass/fastpath.py, a plain ASGI app in
 # front of FastAPI), without its layers on uvicorn's internals (hot.py, wire.py,
 # keepalive_wire.py): the process's serve() is told they are unavailable.
@@ -49,12 +52,15 @@ Samples = dict[str, list[tuple[float, float]]]  # "route|mode": (CPU µs a reque
 
 
 @contextlib.contextmanager
-def servers(where: Path) -> Iterator[dict[str, RegistryProcess]]:
+def servers(where: Path, base: Path | None = None) -> Iterator[dict[str, RegistryProcess]]:
     with contextlib.ExitStack() as stack:
         procs = {}
-        for mode in MODES:
+        for mode in MODES if base is None else AB_MODES:
             env = {"REGISTRY_FAST_PATH": "false" if mode == "off" else "true"}
             env["REGISTRY_LOG_LEVEL"] = "warning"
+            cwd = base if mode == "base" else ROOT
+            if base is not None:  # each checkout's own packages, not the installed ones
+                env["PYTHONPATH"] = str(cwd)
             if mode == "asgi":
                 site = where / "asgi-site"
                 site.mkdir()
@@ -62,7 +68,7 @@ def servers(where: Path) -> Iterator[dict[str, RegistryProcess]]:
                 env["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
             store = f"sqlite:///{where / f'{mode}.db'}"
             procs[mode] = stack.enter_context(
-                RegistryProcess(store, env=env, log_path=where / f"{mode}.log")
+                RegistryProcess(store, env=env, log_path=where / f"{mode}.log", cwd=cwd)
             )
         yield procs
 
@@ -184,18 +190,19 @@ STEADY = ("node heartbeat", "rank heartbeat", "lookup", "handshake")
 
 
 async def measure(
-    where: Path, groups: int, rounds: int, per_round: int, n_launch: int
+    where: Path, groups: int, rounds: int, per_round: int, n_launch: int, base: Path | None
 ) -> dict[str, Any]:
     fleet = Fleet(groups * TP, BLOB_BYTES, REGIONS)
     samples: dict[str, list[tuple[float, float]]] = {}
-    with servers(where) as procs:
-        targets = [Target(procs[m], m) for m in MODES]
+    with servers(where, base) as procs:
+        targets = [Target(procs[m], m) for m in procs]
         for t in targets:
             say(f"loading {groups} groups into the fast path {t.mode} server")
             await load(t, fleet)
         rng = random.Random(1)
         for r in range(rounds):
-            order = targets[r % 3 :] + targets[: r % 3]  # each mode first in turn
+            turn = r % len(targets)
+            order = targets[turn:] + targets[:turn]  # each mode first in turn
             picks = [rng.choice(fleet.groups) for _ in range(per_round)]
             for kind in STEADY:
                 for t in order:
@@ -222,6 +229,9 @@ def table(samples: Samples) -> dict[str, Any]:
         rate = sorted(v[1] for v in values)[len(values) // 2]
         rows.setdefault(kind, {})[mode] = {"cpu_us": round(cpu, 1), "per_s": round(rate)}
     for row in rows.values():
+        if "base" in row:
+            row["ratio"] = round(row["on"]["cpu_us"] / row["base"]["cpu_us"], 3)
+            continue
         row["saving"] = round(1 - row["on"]["cpu_us"] / row["off"]["cpu_us"], 3)
         row["asgi_saving"] = round(1 - row["asgi"]["cpu_us"] / row["off"]["cpu_us"], 3)
     return rows
@@ -233,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-round", type=int, default=2000)
     parser.add_argument("--launch", type=int, default=200)
+    parser.add_argument("--base", type=Path, help="another checkout to compare this one with")
     args = parser.parse_args(argv)
+    if args.base is not None and not (args.base / "app" / "__main__.py").is_file():
+        parser.error(f"--base {args.base}: no app/__main__.py there; name a checkout's root")
     with tempfile.TemporaryDirectory(prefix="route-cost-") as tmp:
         rows = asyncio.run(
-            measure(Path(tmp), args.groups, args.rounds, args.per_round, args.launch)
+            measure(Path(tmp), args.groups, args.rounds, args.per_round, args.launch, args.base)
         )
-    print(json.dumps({"routes": rows, "machine": machine(), "args": vars(args)}))
+    print(json.dumps({"routes": rows, "machine": machine(), "args": vars(args)}, default=str))
     return 0
 
 
