@@ -65,6 +65,7 @@ class Heads:
 
     async def _send(self) -> None:
         """One read at a time; the callers that came while it was out share the next one."""
+        answer: asyncio.Future[int] | None = None
         try:
             while self._next is not None:
                 answer, self._next = self._next, None  # sent: later callers wait for the next
@@ -72,10 +73,22 @@ class Heads:
                 try:
                     answer.set_result(await self._store.revision())
                 except Unavailable as exc:
-                    answer.set_exception(exc)
-                    answer.exception()  # retrieved: each caller raises its own
-        finally:
+                    _fail(answer, exc)
+        finally:  # cancelled (or a bug): no caller waits for ever
             self._sending = None
+            cut = Unavailable(
+                "The registry's read of the store's revision was cut off (shutting down?): "
+                "retry the request."
+            )
+            for waiting in (answer, self._next):
+                if waiting is not None and not waiting.done():
+                    _fail(waiting, cut)
+            self._next = None
+
+
+def _fail(answer: asyncio.Future[int], exc: Unavailable) -> None:
+    answer.set_exception(exc)
+    answer.exception()  # retrieved: each caller raises its own
 
 
 class EngineGroups:
@@ -84,6 +97,7 @@ class EngineGroups:
     def __init__(self) -> None:
         self._groups: dict[str, str] = {}
         self._scanned = -SCAN_EVERY_S
+        self._engines: dict[str, Entry] = {}  # each group's engine entry as last scanned
 
     def group(
         self, engine_id: str, groups: Mapping[str, Mapping[str, Entry]], decoded: Decoded
@@ -95,9 +109,12 @@ class EngineGroups:
             self._scanned = time.monotonic()
             if len(self._groups) + len(groups) > ENGINES_KEPT:
                 self._groups.clear()
+                self._engines.clear()
+            engines = self._engines
             for group_id, entries in groups.items():
                 entry = entries.get(keys.engine(group_id))
-                if entry is not None:
+                if entry is not None and entry is not engines.get(group_id):  # a new one
+                    engines[group_id] = entry
                     self._groups[decoded.record(entry, EngineRecord).engine_id] = group_id
             gid = self._groups.get(engine_id)
         return gid
