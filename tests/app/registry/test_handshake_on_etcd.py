@@ -163,3 +163,24 @@ def test_a_rank_whose_lease_ran_out_is_not_a_target(
             assert (await registry.resolve(eid)).missing == list(range(TP))
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_feed_left_behind_sends_the_handshake_to_the_store(etcd: EtcdCluster) -> None:
+    """The feed stops following (closed) with every rank live: what it shows it shows for
+    ever. After a deregistration the handshake reads the store: 503 for that rank."""
+
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(f"behind-{uuid.uuid4().hex}"), timeout_s=5.0)
+        async with registry_with_feed(store) as (registry, feed):
+            eid = await registry_prefill(registry, "g")
+            plan = HandshakeRequest.model_validate(PLAN)
+            assert len((await registry.handshake(eid, plan)).targets) == TP
+            await feed.close()
+            await registry.deregister("g", 5, eid)
+            assert feed.groups["g"].get("groups/g/agents/00005") is not None
+            with pytest.raises(NotReady) as gone:
+                await registry.handshake(eid, plan)
+            assert gone.value.extras["missing_ranks"] == [5]
+            assert (await registry.get_engine("g")).missing_ranks == [5]
+
+    asyncio.run(asyncio.wait_for(body(), 60))
