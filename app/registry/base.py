@@ -22,11 +22,12 @@ from app.core.schemas import (
 )
 from app.registry import keys
 from app.registry.events import EventLog
+from app.registry.fresh import FRESH_WAIT_S, EngineGroups, Heads
 from app.registry.kept_states import KeptStates
 from app.registry.observer import Observer
 from app.registry.records import AgentRecord, Decoded, EngineRecord, IndexRecord
 from app.registry.state import GroupState
-from app.store import Entry, Store
+from app.store import Entry, Snapshot, Store
 
 # How long an operator's read of every group (the status page, /metrics) waits for the watch
 # feed to reach the store's revision before it answers 503, as a list page does.
@@ -83,6 +84,8 @@ class RegistryBase:
         # Each lease that runs out is recorded as the store ends it (``lease_expired``).
         store.on_expired = partial(self.observer.lease_ended, decoded=self.decoded)
         self.kept = KeptStates()  # every group's state for operators' reads (group_states)
+        self.heads = Heads(store)  # the store's revision, for reads from the feed (fresh.py)
+        self.engine_groups = EngineGroups()
         self.draining = False
         self._drained: asyncio.Event | None = None
 
@@ -120,7 +123,7 @@ class RegistryBase:
         return GroupState.read(snap, gid, self.decoded)
 
     async def get_engine(self, gid: str, wait_ready_s: float | None = None) -> Engine:
-        state = await self._group(gid)
+        state = await self._group_read(gid)
         if not wait_ready_s:
             return state.view()
         deadline = time.monotonic() + wait_ready_s
@@ -129,8 +132,39 @@ class RegistryBase:
             if remaining <= 0:
                 break
             await self._wait_change(keys.group_prefix(gid), state.revision, remaining)
-            state = await self._group(gid)
+            state = await self._group_read(gid)
         return state.view()
+
+    async def _group_read(self, gid: str) -> GroupState:
+        """A reader's ``_group``: from the watch feed when it is current (``fresh.py``)."""
+        if not await self._seen_now():
+            return await self._group(gid)
+        state = await self._seen_state(gid)
+        if state is None:
+            raise _no_group(gid)
+        return state
+
+    async def _seen_now(self) -> bool:
+        """Whether the watch feed shows every write answered before this call, on a store
+        whose reads are round trips (``Store.remote_reads``; ``fresh.py``). False: read the
+        store (no feed, a failed one, one lagging past ``FRESH_WAIT_S``, SQLite)."""
+        seen = self.seen
+        if seen is None or not self.store.remote_reads or not seen.following:
+            return False
+        return await seen.reached(await self.heads.after_now(), FRESH_WAIT_S)
+
+    async def _seen_state(self, gid: str) -> GroupState | None:
+        """The group as the watch feed shows it now, its entries on leases whose time is out
+        left out as a range read leaves them out; None when the feed has no engine for it."""
+        assert self.seen is not None
+        revision, group = self.seen.progress, self.seen.groups.get(gid)
+        if group is None:
+            return None
+        entries = [group[k] for k in sorted(group)]
+        leases = {e.lease for e in entries if e.lease is not None}
+        remaining = await self.store.lease_remaining(leases) if leases else {}
+        entries = [e for e in entries if e.lease is None or remaining.get(e.lease, 1.0) > 0]
+        return GroupState.read(Snapshot(entries, revision, remaining), gid, self.decoded)
 
     async def list_groups(self) -> list[Engine]:
         return [state.view() for state in await self.group_states()]
@@ -180,9 +214,21 @@ class RegistryBase:
 
     async def _index(self, engine_id: str) -> IndexRecord | None:
         entry = await self.store.get(f"engines/{engine_id}")
-        return None if entry is None else self.decoded.record(entry, IndexRecord)
+        if entry is None:
+            return None
+        index = self.decoded.record(entry, IndexRecord)
+        self.engine_groups.learn(engine_id, index.group_id)
+        return index
 
-    async def resolve(self, engine_id: str) -> GroupState:
+    async def resolve(self, engine_id: str, *, seen: bool | None = None) -> GroupState:
+        """The group whose current engine is ``engine_id``, else 404 or 410. ``seen``: whether
+        the watch feed is current (``_seen_now``), when the caller asked already."""
+        if seen is None:
+            seen = await self._seen_now()
+        if seen:
+            state = await self._resolved_as_seen(engine_id)
+            if state is not None:
+                return state
         index = await self._index(engine_id)
         if index is None:
             raise NotFound(
@@ -206,6 +252,14 @@ class RegistryBase:
             self.events.refusal(error, index.group_id, engine_id=engine_id)
             raise error
         return state
+
+    async def _resolved_as_seen(self, engine_id: str) -> GroupState | None:
+        """From the current feed: the group whose current engine is ``engine_id``; None
+        when the feed does not show that (superseded, deleted, unknown: the store says which)."""
+        assert self.seen is not None
+        gid = self.engine_groups.group(engine_id, self.seen.groups, self.decoded)
+        state = None if gid is None else await self._seen_state(gid)
+        return state if state is not None and state.engine.engine_id == engine_id else None
 
     # -- shared by agents and batches ---------------------------------------------------
 

@@ -182,6 +182,11 @@ class Decoded:
         self._texts.put(entry.key, entry.mod_revision, text, len(text), _group_of(entry.key, None))
         return text
 
+    def kept_base64(self, key: str, revision: int) -> str | None:
+        """The base64 text of the blob at ``key`` of ``revision``, when kept."""
+        hit = self._texts.get(key, revision)
+        return hit if isinstance(hit, str) else None
+
     def remember(self, key: str, revision: int, record: BaseModel, size: int) -> None:
         """``record`` (``size`` bytes of JSON) was just written under ``key`` at ``revision``:
         the next read of that version takes it as is (it is what parsing its JSON would give)."""
