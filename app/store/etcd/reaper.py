@@ -47,6 +47,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
+from app.store.etcd.journal import Journal
 from app.store.lease_clock import (
     ARRIVED,
     CLOCK,
@@ -80,9 +81,10 @@ def logical(ttl_left: float, granted_ttl: int) -> float:
     return max(0.0, ttl_left - headroom(granted_ttl))
 
 
-# etcd's figures of a lease now: (TTL left, granted TTL, raft term); TTL left <= 0: etcd no
-# longer has it.
-Ask = Callable[[int], Awaitable[tuple[float, int, int]]]
+# etcd's figures of a lease now: (TTL left, granted TTL, raft term, store revision); TTL
+# left <= 0: etcd no longer has it.
+Ask = Callable[[int], Awaitable[tuple[float, int, int, int]]]
+REACH_S = 2.0  # how long a reaper waits for the journal to reach etcd's revision
 Revoke = Callable[[int], Awaitable[None]]
 
 
@@ -100,6 +102,7 @@ class Reaper:
         self._task: asyncio.Task[None] | None = None
         self.ended = 0  # leases revoked at their logical expiry
         self.graced = False  # a stall was ever credited (readers then add ``grace``)
+        self.journal: Journal | None = None  # the renewal journal, when renewals are lazy
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -122,6 +125,12 @@ class Reaper:
         heapq.heappush(self._due, (expires_at, lease_id))
         if len(self._due) > 2 * len(self.leases) + 1024:  # renewals leave stale items
             self._due = expiry_heap(self.leases)
+
+    def adopt(self, lease_id: int, ttl_s: int, expires_at: float) -> None:
+        """Follow a lease whose owner is gone (``journal.py``), to end it at ``expires_at``."""
+        if lease_id not in self.leases:
+            self.leases[lease_id] = StoredLease(ttl_s, expires_at)
+            heapq.heappush(self._due, (expires_at, lease_id))
 
     def forget(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
@@ -151,7 +160,10 @@ class Reaper:
     async def settle(self, lease_id: int) -> bool:
         """Judge an overdue lease with etcd's figures now: True when it was ended (the
         renewal that found it so is refused, as the SQLite store refuses a late one)."""
-        if self._judge(lease_id, *await self._ask(lease_id)):
+        figures = await self._ask(lease_id)
+        if self.journal is not None and not await self.journal.reached(figures[3], REACH_S):
+            return False  # a renewal through another replica may be on its way: not ended
+        if self._judge(lease_id, *figures):
             await self._revoke(lease_id)
             self.forget(lease_id)
             self.ended += 1
@@ -197,6 +209,12 @@ class Reaper:
             for at in range(0, len(due), ASK_AT_ONCE):
                 chunk = due[at : at + ASK_AT_ONCE]
                 figures = await asyncio.gather(*(self._ask(i) for i in chunk))
+                if self.journal is not None and not await self.journal.reached(
+                    max(f[3] for f in figures), REACH_S
+                ):  # a renewal through another replica may be on its way: judged next time
+                    raise TimeoutError(
+                        f"the renewal journal did not reach etcd's revision within {REACH_S} s"
+                    )
                 gone = [i for i, f in zip(chunk, figures, strict=True) if self._judge(i, *f)]
                 await asyncio.gather(*(self._revoke(i) for i in gone))
                 for lease_id in gone:
@@ -211,7 +229,9 @@ class Reaper:
             raise
         return ended
 
-    def _judge(self, lease_id: int, ttl_left: float, granted_ttl: int, term: int) -> bool:
+    def _judge(
+        self, lease_id: int, ttl_left: float, granted_ttl: int, term: int, revision: int = 0
+    ) -> bool:
         """True: revoke it now. Else it is followed on with what etcd says it has."""
         lease = self.leases.get(lease_id)
         if lease is None:
@@ -219,6 +239,8 @@ class Reaper:
         if ttl_left <= 0:  # etcd ended it already
             self.forget(lease_id)
             return False
+        if self.journal is not None:
+            return self._judge_journal(lease_id, lease)
         at = now()
         left = ttl_left - headroom(granted_ttl)
         if left > 0 and term == self._terms.get(lease_id):  # renewed through another replica
@@ -239,4 +261,21 @@ class Reaper:
             expires_at = max(expires_at, at + self.interval_s)
         lease.expires_at = expires_at
         heapq.heappush(self._due, (expires_at, lease_id))
+        return False
+
+    def _judge_journal(self, lease_id: int, lease: StoredLease) -> bool:
+        """With the journal read up to etcd's revision: a lease renewed last through another
+        replica is left to it; one of this replica's ends at its own figure."""
+        book = self.journal.book if self.journal is not None else None
+        known = book.known.get(lease_id) if book is not None else None
+        if book is not None and known is not None and known.owner != book.me:
+            self.forget(lease_id)
+            return False
+        if known is not None:  # a renewal there written before this one's: its time too
+            lease.expires_at = max(lease.expires_at, known.logical_at + lease.grace)
+        at = now()
+        if lease.expires_at < sweep_cutoff(at):  # no heartbeat in flight reached it in time
+            return True
+        lease.expires_at = max(lease.expires_at, at + self.interval_s)
+        heapq.heappush(self._due, (lease.expires_at, lease_id))
         return False
