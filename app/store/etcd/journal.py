@@ -234,6 +234,7 @@ class Journal:
         self._writing: tuple[float, asyncio.Future[int]] | None = None  # (began, revision)
         self._tasks: list[asyncio.Task[None]] = []
         self.writes = 0
+        self.presence_kept = 0  # the presence lease's renewals sent to etcd
 
     async def start(self) -> None:
         """Read who is alive (the keys there), then write and follow from that revision."""
@@ -368,6 +369,7 @@ class Journal:
             finally:
                 stream.cancel()
 
+        self.presence_kept += 1
         if await self._call("lease refresh", renew) <= 0:
             self._presence = 0  # gone: the next write grants a new one
         self._presence_at = at
