@@ -232,6 +232,7 @@ class Journal:
         self._wake = asyncio.Event()
         self._next: asyncio.Future[int] | None = None  # the next write's revision
         self._writing: tuple[float, asyncio.Future[int]] | None = None  # (began, revision)
+        self._written = (float("-inf"), 0)  # the last write landed: (began, revision)
         self._tasks: list[asyncio.Task[None]] = []
         self.writes = 0
         self.presence_kept = 0  # the presence lease's renewals sent to etcd
@@ -264,7 +265,11 @@ class Journal:
         self._wake.set()
 
     async def revision_after(self, arrived: float, seconds: float) -> int:
-        """The revision of the first journal write begun at ``arrived`` or later."""
+        """The revision of a journal write begun at ``arrived`` or later: the last one
+        landed, else the one under way, else the next (a request's later renewals share
+        its first one's)."""
+        if self._written[0] >= arrived:  # a write after the request's arrival landed
+            return self._written[1]
         writing = self._writing
         if writing is not None and writing[0] >= arrived:
             done = writing[1]
@@ -311,7 +316,8 @@ class Journal:
         leases, value = self.book.take()
         done = self._next or asyncio.get_running_loop().create_future()
         self._next = None
-        self._writing = (now(), done)
+        began = now()
+        self._writing = (began, done)
         try:
             revision = await self._put(value)
         except BaseException as exc:
@@ -322,6 +328,7 @@ class Journal:
         finally:
             self._writing = None
         self.writes += 1
+        self._written = (began, revision)
         self.book.written(leases, revision)
         done.set_result(revision)
 
