@@ -6,8 +6,9 @@ as this replica knows it, would fall below the lease's new logical expiry + head
 ``SLACK_S``: about once per W. Every other renewal is made in memory and written here:
 
 - **The journal.** Each replica owns one key, ``\\x7frenewed/<replica id>``, on a presence
-  lease of its own (TTL: the headroom, kept alive every ``presence_every_s``). Once per
-  ``TICK_S``, when it renewed or granted anything, it puts there (lease id, ttl, logical
+  lease of its own (TTL: the headroom, kept alive every ``presence_every_s``). Once a tick
+  (``TICK_S``, shorter at a faster pace: about ``LEASES_A_WRITE`` leases a write), when it
+  renewed or granted anything, it puts there (lease id, ttl, logical
   seconds left, etcd seconds left) for each lease since its last write. Every replica
   watches the prefix from its start, in revision order, and notes each entry (``Book``): the
   lease's owner (the replica that renewed it last, by journal revision), its logical expiry
@@ -54,6 +55,10 @@ log = logging.getLogger("app.store")
 PREFIX = "\x7frenewed/"
 MARK = "\x7frenewed"  # the journal's keys and its watch's fence (``\x7frenewed.``) start so
 TICK_S = 0.5  # at most one write a tick
+# The tick shortens with the pace, to about this many leases a write, down to ``MIN_TICK_S``:
+# a renewal waits for the next write, so a busy replica waits less, a quiet one writes less.
+LEASES_A_WRITE = 20
+MIN_TICK_S = 0.05
 PROGRESS_S = 5.0  # a quiet journal watch asks etcd for progress this often
 SLACK_S = 2.0  # etcd is refreshed this long before strictly needed
 MS = 1000.0
@@ -236,6 +241,8 @@ class Journal:
         self._tasks: list[asyncio.Task[None]] = []
         self.writes = 0
         self.presence_kept = 0  # the presence lease's renewals sent to etcd
+        self.rate = 0.0  # leases written a second, smoothed
+        self.tick_s = TICK_S
 
     async def start(self) -> None:
         """Read who is alive (the keys there), then write and follow from that revision."""
@@ -294,12 +301,13 @@ class Journal:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), max(0.0, wait))
             self._wake.clear()
-            await asyncio.sleep(max(0.0, last + TICK_S - now()))
-            last = now()
+            await asyncio.sleep(max(0.0, last + self.tick_s - now()))
+            elapsed, last = now() - last, now()
             try:
                 if now() - self._presence_at >= self.presence_every_s:
                     await self._keep_presence()
                 if self.book.pending or self.book.revoked or self._next is not None:
+                    self._pace(len(self.book.pending), elapsed)
                     await self._write()
                 if self.writes % 256 == 0:
                     self.book.prune(self._horizon_s)
@@ -311,6 +319,11 @@ class Journal:
                 if failing:
                     log.warning("renewal journal: written again")
                 failing = False
+
+    def _pace(self, leases: int, elapsed: float) -> None:
+        """The next tick, from the leases written a second."""
+        self.rate = 0.8 * self.rate + 0.2 * leases / max(elapsed, MIN_TICK_S)
+        self.tick_s = min(TICK_S, max(MIN_TICK_S, LEASES_A_WRITE / max(self.rate, 1e-3)))
 
     async def _write(self) -> None:
         leases, value = self.book.take()
