@@ -23,16 +23,18 @@ at its ttl plus the headroom. So a dead rank is found within its ttl (plus ``int
 its replica runs, and within ttl + ``headroom_s`` at most; a lapse means the rank stopped
 renewing, unless a replica stalled for longer than the headroom.
 
-Why every renewal still reaches etcd (issue 51): etcd's TTL is the one clock every replica
-reads. Renewed in memory with etcd refreshed every L seconds, a lease's etcd deadline trails
-its last renewal by up to L: a replica that dies just after such a renewal lapses a live rank
-unless L < ttl - interval (with the headroom at the grace), which saves about one renewal
-in two at the default pace (interval ttl/3); and with a node's heartbeats spread over replicas
-by a load balancer, the replica whose figure runs out cannot tell from etcd whether another
-renewed it in memory since (it would end a live lease, or keep a dead one L longer). A
-renewal on one stream batched with others costs gRPC's per-message price all the same
-(``bench.etcd_renewals``). Fewer etcd requests need a record of renewals that every replica
-reads (each writing the leases it renewed once a tick, followed by watch) or a wider headroom.
+Lazy renewals (``REGISTRY_ETCD_RENEW_WINDOW_S`` = W > 0, ``journal.py``): etcd's TTL is the
+one clock every replica reads only while every renewal reaches etcd. Renewed in memory with
+etcd refreshed every L seconds inside the headroom alone, a lease's etcd deadline trails its
+last renewal by up to L (a replica dying just after lapses a live rank unless L < ttl -
+interval: one renewal in two saved), and a replica cannot tell from etcd whether another
+renewed a lease in memory. So with W the lease is granted W longer, etcd is refreshed about
+once per W, and the renewals are shared through the journal, which replaces etcd's figures
+here: a lease is ended by the replica that renewed it last (by journal revision), at its
+logical expiry with its own stalls credited, after reading the journal up to etcd's
+revision of its look (``REACH_S``: else judged next time); one renewed last elsewhere is
+left to that replica, and a gone replica's leases are adopted (ended at logical expiry +
+headroom). A new leader's refresh only lengthens etcd's deadline and changes nothing.
 
 Every replica must run with the same ``REGISTRY_LEASE_GRACE_S``: a lease's headroom is read
 from its granted TTL (``headroom``), and a lease granted with none (ttl not above the

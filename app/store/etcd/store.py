@@ -10,7 +10,10 @@
   of its TTL) however many readers want it. A lease only gains time (renewed through another
   replica): the figure is a lower bound, asked again when it runs out. Renewals go through a
   few long-lived keep-alive streams a member (``etcd_keepalive``), each answer with the
-  revision it was applied at;
+  revision it was applied at. With ``REGISTRY_ETCD_RENEW_WINDOW_S`` > 0 most renewals stay in
+  memory, shared through the renewal journal (``etcd_journal``), which readers answer from: a
+  lease no entry was seen for reads as etcd's TTL less the headroom (never short of its time,
+  at most the window long);
 - ``range`` is one linearizable Range (never stale), a prefix in pages (``etcd_range``);
 - ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
