@@ -5,14 +5,14 @@ With ``REGISTRY_ETCD_RENEW_WINDOW_S`` = W > 0, an etcd lease is granted for ttl 
 as this replica knows it, would fall below the lease's new logical expiry + headroom +
 ``SLACK_S``: about once per W. Every other renewal is made in memory and written here:
 
-- **The journal.** Each replica owns one key, ``\\x7frenewed/<replica id>``, on a presence
-  lease of its own (TTL: the headroom, kept alive every ``presence_every_s``). Once a tick
-  (``TICK_S``, shorter at a faster pace: about ``LEASES_A_WRITE`` leases a write), when it
-  renewed or granted anything, it puts there (lease id, ttl, logical
-  seconds left, etcd seconds left) for each lease since its last write. Every replica
-  watches the prefix from its start, in revision order, and notes each entry (``Book``): the
-  lease's owner (the replica that renewed it last, by journal revision), its logical expiry
-  and etcd's deadline, both on its own clock.
+- **The journal.** Each replica owns one key, ``groups.\\x7frenewed/<replica id>``
+  (``PREFIX``), on a presence lease of its own (TTL: the headroom, kept alive every
+  ``presence_every_s``). Once a tick (``TICK_S``, shorter at a faster pace: about
+  ``LEASES_A_WRITE`` leases a write), when it renewed or granted anything, it puts there
+  (lease id, ttl, logical seconds left, etcd seconds left) for each lease since its last
+  write. Every replica watches the prefix from its start, in revision order, and notes each
+  entry (``Book``): the lease's owner (the replica that renewed it last, by journal
+  revision), its logical expiry and etcd's deadline, both on its own clock.
 - **A renewal's revision.** An in-memory renewal answers with the revision of the first
   journal write begun after the request arrived (``revision_after``): a write after the
   request, so a read at that revision is one made after it, as a renewal's revision on
@@ -52,8 +52,12 @@ from app.store.lease_clock import now
 
 log = logging.getLogger("app.store")
 
-PREFIX = "\x7frenewed/"
-MARK = "\x7frenewed"  # the journal's keys and its watch's fence (``\x7frenewed.``) start so
+# Inside the registry feed's watch (``app/watch/feed.py``: ``groups/`` from its fence
+# ``groups.`` on, ``watch.py``) and outside every read of ``groups/``: each journal write is
+# an event on the feed's stream, so it proves the feed's progress to its revision, and a
+# heartbeat answered at that revision needs no fence of its own.
+PREFIX = "groups.\x7frenewed/"
+MARK = "groups.\x7frenewed"  # the journal's keys and its watch's fence start so
 TICK_S = 0.5  # at most one write a tick
 # The tick shortens with the pace, to about this many leases a write, down to ``MIN_TICK_S``:
 # a renewal waits for the next write, so a busy replica waits less, a quiet one writes less.
@@ -83,6 +87,10 @@ def unpack(value: bytes) -> Iterator[tuple[int, int, float, float]]:
 def in_journal(prefix: str) -> bool:
     """Whether a read of ``prefix`` may see the journal's keys (they are not the store's)."""
     return MARK.startswith(prefix) or prefix.startswith(MARK)
+
+
+def journal_key(key: str) -> bool:
+    return key.startswith(MARK)
 
 
 @dataclass(slots=True)

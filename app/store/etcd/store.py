@@ -55,7 +55,7 @@ from app.store.etcd import ranges as etcd_range
 from app.store.etcd import watch as etcd_watch
 from app.store.etcd.cluster import Cluster
 from app.store.etcd.config import EtcdAccess, EtcdUrl, parse_url
-from app.store.etcd.journal import SLACK_S, Journal, in_journal
+from app.store.etcd.journal import SLACK_S, Journal, in_journal, journal_key
 from app.store.etcd.keepalive import KeepAlives, Renewed
 from app.store.etcd.reaper import Reaper, headroom, headroom_s, logical
 from app.store.etcd.state import LeaseBook, WatchHub
@@ -185,7 +185,7 @@ class EtcdStore(Store):
         kvs, revision = await self._read_prefix(prefix)
         entries = [self._entry(kv) for kv in kvs]  # etcd answers in key order
         if in_journal(prefix):  # the renewal journal's keys are not the store's
-            entries = [e for e in entries if not in_journal(e.key)]
+            entries = [e for e in entries if not journal_key(e.key)]
         leases = {e.lease for e in entries if e.lease is not None}
         remaining = await self._remaining(leases) if leases else {}
         # A key whose lease's time is out (etcd keeps it for the headroom) is not shown, as
@@ -525,7 +525,7 @@ class EtcdStore(Store):
         kvs, revision = await self._read_prefix(prefix)
         entries = [self._entry(kv) for kv in kvs]
         if in_journal(prefix):  # the renewal journal's keys are not the store's
-            entries = [e for e in entries if not in_journal(e.key)]
+            entries = [e for e in entries if not journal_key(e.key)]
         return Snapshot(entries, revision, {})
 
     async def lease_remaining(self, leases: set[int]) -> dict[int, float]:

@@ -17,11 +17,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from app.store import Lease, Put
 from app.store.lease_clock import CLOCK
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import RegistryProcess
+from tests.support.faults import agent_body, open_body
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(90)]
 
@@ -33,6 +36,7 @@ from app.store.etcd.store import EtcdStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TTL_S = 2
+TP = 8
 GRACE_S = 5.0  # the headroom of the kill tests (REGISTRY_LEASE_GRACE_S), kept short
 
 # Another replica: an etcd store in its own process, with the grace and window given, that
@@ -192,6 +196,22 @@ def test_a_lease_renewed_in_memory_through_another_replica_is_kept_and_read_live
     asyncio.run(body())
 
 
+def node(http: httpx.Client, gid: str, ranks: range) -> str:
+    """Open ``gid`` and register ``ranks`` in one batch (one lease); its engine_id."""
+    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP))
+    assert opened.status_code in (200, 201), opened.text
+    eid = str(opened.json()["engine_id"])
+    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in ranks]}
+    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
+    return eid
+
+
+def beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx.Response:
+    return http.post(
+        f"/tp-groups/{gid}/engine/agents/heartbeat", json={"engine_id": eid, "ranks": ranks}
+    )
+
+
 async def watch_live(store: EtcdStore, key: str, seconds: float) -> None:
     """``key`` read live on ``store`` every 0.1 s for ``seconds``."""
     started = time.monotonic()
@@ -282,3 +302,35 @@ def test_a_replica_restarted_within_the_grace_keeps_its_live_ranks(etcd: EtcdClu
             await observer.close()
 
     asyncio.run(body())
+
+
+def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    """Through a real registry process with ``REGISTRY_ETCD_RENEW_WINDOW_S``: node heartbeats
+    are answered from the watch feed at the journal write's revision (no range read, no
+    renewal on etcd), and one right after a deregistration still names the rank."""
+    env = {"REGISTRY_ETCD_RENEW_WINDOW_S": "110"}
+    log = tmp_path / "registry.log"
+    with (
+        RegistryProcess(etcd.url(uuid.uuid4().hex), log_path=log, env=env) as proc,
+        httpx.Client(base_url=proc.url, timeout=10) as http,
+    ):
+        groups = {f"lazy-{i}": node(http, f"lazy-{i}", range(TP)) for i in range(5)}
+        ranges, renewals = etcd.metric("grpc_server_msg_received_total", "Range"), keepalives(etcd)
+        for _ in range(4):
+            for gid, eid in groups.items():
+                answer = beat(http, gid, eid, list(range(TP)))
+                assert answer.status_code == 200, answer.text
+        ranges = etcd.metric("grpc_server_msg_received_total", "Range") - ranges
+        renewals = keepalives(etcd) - renewals
+        assert ranges <= 2, f"20 heartbeats made {ranges:g} range reads"
+        assert renewals <= 2, f"20 heartbeats sent {renewals:g} renewals to etcd"
+        for i in range(5):  # rank 0 gone, its lease held on by rank 1
+            gid, eid = f"dereg-{i}", node(http, f"dereg-{i}", range(2))
+            gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
+            assert gone.status_code == 204, gone.text
+            answer = beat(http, gid, eid, [0, 1])
+            assert answer.status_code == 404, (i, answer.text)
+            assert "rank 0" in answer.json()["detail"], answer.text
+            assert beat(http, gid, eid, [1]).status_code == 200
