@@ -72,11 +72,12 @@ PENDING = 1 << 62  # the revision of a renewal here not yet written
 Call = Callable[[str, Callable[[aetcd.Client, float], Awaitable[Any]]], Awaitable[Any]]
 
 
+def _ms(seconds: float) -> int:
+    return min(round(max(0.0, seconds) * MS), 0xFFFFFFFF)  # 49 days at most
+
+
 def pack(rows: Iterable[tuple[int, int, float, float]]) -> bytes:
-    return b"".join(
-        _ENTRY.pack(i, ttl, round(max(0.0, a) * MS), round(max(0.0, b) * MS))
-        for i, ttl, a, b in rows
-    )
+    return b"".join(_ENTRY.pack(i, ttl, _ms(a), _ms(b)) for i, ttl, a, b in rows)
 
 
 def unpack(value: bytes) -> Iterator[tuple[int, int, float, float]]:
