@@ -139,6 +139,10 @@ def stream_env(groups: int) -> dict[str, str]:
     }
 
 
+# (warmup, window) of the steady state, seconds (``--hold``); None: by ``quick``.
+HOLD: tuple[float, float] | None = None
+
+
 def one_row(
     store: str,
     ranks: int,
@@ -150,7 +154,7 @@ def one_row(
     renew: str = "rest",
 ) -> dict[str, Any]:
     fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
-    warmup, window = (3.0, 5.0) if quick else (10.0, 30.0)
+    warmup, window = HOLD or ((3.0, 5.0) if quick else (10.0, 30.0))
     env = stream_env(ranks // TP) if renew == "stream" else {}
     idle_etcd = None
     if cluster is not None:  # etcd's own CPU with no registry on it (3 members' raft ticks)
@@ -373,7 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-ceiling", action="store_true", help="skip the client's ceiling and the floor"
     )
+    parser.add_argument(
+        "--hold",
+        default="",
+        help="WARMUP,WINDOW seconds of the steady state (lazy etcd renewals settle after "
+        "REGISTRY_ETCD_RENEW_WINDOW_S)",
+    )
     args = parser.parse_args(argv)
+    if args.hold:
+        global HOLD
+        warmup, window = (float(x) for x in args.hold.split(","))
+        HOLD = (warmup, window)
     renews = tuple(r.strip() for r in args.renew.split(",") if r.strip())
     if not renews or set(renews) - {"rest", "stream"}:
         parser.error(f"--renew {args.renew!r}: rest, stream or rest,stream")

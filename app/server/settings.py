@@ -161,6 +161,13 @@ class Settings(BaseSettings):
     loop_stall_s: float = Field(
         1.0, gt=0, le=60, description="A gap in the event loop longer than this is a stall."
     )
+    etcd_renew_window_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="etcd store: a lease's etcd TTL runs this long past ttl + grace, so most "
+        "renewals stay in memory, shared by a journal (0: every renewal reaches etcd).",
+    )
     otel: bool = Field(
         False,
         description="FastAPI's own OpenTelemetry spans and metrics, for a process with an "

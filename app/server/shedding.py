@@ -145,6 +145,7 @@ class Shedder:
 def install(app: Any, settings: Settings) -> None:
     """The process's lease clock and the app's shedder, from the settings (``serve``)."""
     CLOCK.grace_s, CLOCK.stall_s = settings.lease_grace_s, settings.loop_stall_s
+    CLOCK.etcd_window_s = settings.etcd_renew_window_s
     routes = tuple(r.strip() for r in settings.shed_routes.split(",") if r.strip())
     app.state.shedder = Shedder(
         settings.shed_lag_s,

@@ -70,6 +70,7 @@ class LeaseClock:
 
     grace_s: float = 60.0  # most a lease's expiry moves for stalls since its last renewal
     stall_s: float = 1.0  # a gap in the loop longer than this is a stall
+    etcd_window_s: float = 0.0  # etcd: a lease's TTL past ttl + grace (``etcd/journal.py``)
 
 
 CLOCK = LeaseClock()

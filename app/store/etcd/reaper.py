@@ -23,16 +23,18 @@ at its ttl plus the headroom. So a dead rank is found within its ttl (plus ``int
 its replica runs, and within ttl + ``headroom_s`` at most; a lapse means the rank stopped
 renewing, unless a replica stalled for longer than the headroom.
 
-Why every renewal still reaches etcd (issue 51): etcd's TTL is the one clock every replica
-reads. Renewed in memory with etcd refreshed every L seconds, a lease's etcd deadline trails
-its last renewal by up to L: a replica that dies just after such a renewal lapses a live rank
-unless L < ttl - interval (with the headroom at the grace), which saves about one renewal
-in two at the default pace (interval ttl/3); and with a node's heartbeats spread over replicas
-by a load balancer, the replica whose figure runs out cannot tell from etcd whether another
-renewed it in memory since (it would end a live lease, or keep a dead one L longer). A
-renewal on one stream batched with others costs gRPC's per-message price all the same
-(``bench.etcd_renewals``). Fewer etcd requests need a record of renewals that every replica
-reads (each writing the leases it renewed once a tick, followed by watch) or a wider headroom.
+Lazy renewals (``REGISTRY_ETCD_RENEW_WINDOW_S`` = W > 0, ``journal.py``): etcd's TTL is the
+one clock every replica reads only while every renewal reaches etcd. Renewed in memory with
+etcd refreshed every L seconds inside the headroom alone, a lease's etcd deadline trails its
+last renewal by up to L (a replica dying just after lapses a live rank unless L < ttl -
+interval: one renewal in two saved), and a replica cannot tell from etcd whether another
+renewed a lease in memory. So with W the lease is granted W longer, etcd is refreshed about
+once per W, and the renewals are shared through the journal, which replaces etcd's figures
+here: a lease is ended by the replica that renewed it last (by journal revision), at its
+logical expiry with its own stalls credited, after reading the journal up to etcd's
+revision of its look (``REACH_S``: else judged next time); one renewed last elsewhere is
+left to that replica, and a gone replica's leases are adopted (ended at logical expiry +
+headroom). A new leader's refresh only lengthens etcd's deadline and changes nothing.
 
 Every replica must run with the same ``REGISTRY_LEASE_GRACE_S``: a lease's headroom is read
 from its granted TTL (``headroom``), and a lease granted with none (ttl not above the
@@ -47,6 +49,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
+from app.store.etcd.journal import Journal
 from app.store.lease_clock import (
     ARRIVED,
     CLOCK,
@@ -80,9 +83,10 @@ def logical(ttl_left: float, granted_ttl: int) -> float:
     return max(0.0, ttl_left - headroom(granted_ttl))
 
 
-# etcd's figures of a lease now: (TTL left, granted TTL, raft term); TTL left <= 0: etcd no
-# longer has it.
-Ask = Callable[[int], Awaitable[tuple[float, int, int]]]
+# etcd's figures of a lease now: (TTL left, granted TTL, raft term, store revision); TTL
+# left <= 0: etcd no longer has it.
+Ask = Callable[[int], Awaitable[tuple[float, int, int, int]]]
+REACH_S = 2.0  # how long a reaper waits for the journal to reach etcd's revision
 Revoke = Callable[[int], Awaitable[None]]
 
 
@@ -100,6 +104,7 @@ class Reaper:
         self._task: asyncio.Task[None] | None = None
         self.ended = 0  # leases revoked at their logical expiry
         self.graced = False  # a stall was ever credited (readers then add ``grace``)
+        self.journal: Journal | None = None  # the renewal journal, when renewals are lazy
 
     def start(self) -> None:
         if self._task is None or self._task.done():
@@ -122,6 +127,12 @@ class Reaper:
         heapq.heappush(self._due, (expires_at, lease_id))
         if len(self._due) > 2 * len(self.leases) + 1024:  # renewals leave stale items
             self._due = expiry_heap(self.leases)
+
+    def adopt(self, lease_id: int, ttl_s: int, expires_at: float) -> None:
+        """Follow a lease whose owner is gone (``journal.py``), to end it at ``expires_at``."""
+        if lease_id not in self.leases:
+            self.leases[lease_id] = StoredLease(ttl_s, expires_at)
+            heapq.heappush(self._due, (expires_at, lease_id))
 
     def forget(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
@@ -151,7 +162,10 @@ class Reaper:
     async def settle(self, lease_id: int) -> bool:
         """Judge an overdue lease with etcd's figures now: True when it was ended (the
         renewal that found it so is refused, as the SQLite store refuses a late one)."""
-        if self._judge(lease_id, *await self._ask(lease_id)):
+        figures = await self._ask(lease_id)
+        if self.journal is not None and not await self.journal.reached(figures[3], REACH_S):
+            return False  # a renewal through another replica may be on its way: not ended
+        if self._judge(lease_id, *figures):
             await self._revoke(lease_id)
             self.forget(lease_id)
             self.ended += 1
@@ -197,6 +211,12 @@ class Reaper:
             for at in range(0, len(due), ASK_AT_ONCE):
                 chunk = due[at : at + ASK_AT_ONCE]
                 figures = await asyncio.gather(*(self._ask(i) for i in chunk))
+                if self.journal is not None and not await self.journal.reached(
+                    max(f[3] for f in figures), REACH_S
+                ):  # a renewal through another replica may be on its way: judged next time
+                    raise TimeoutError(
+                        f"the renewal journal did not reach etcd's revision within {REACH_S} s"
+                    )
                 gone = [i for i, f in zip(chunk, figures, strict=True) if self._judge(i, *f)]
                 await asyncio.gather(*(self._revoke(i) for i in gone))
                 for lease_id in gone:
@@ -211,7 +231,9 @@ class Reaper:
             raise
         return ended
 
-    def _judge(self, lease_id: int, ttl_left: float, granted_ttl: int, term: int) -> bool:
+    def _judge(
+        self, lease_id: int, ttl_left: float, granted_ttl: int, term: int, revision: int = 0
+    ) -> bool:
         """True: revoke it now. Else it is followed on with what etcd says it has."""
         lease = self.leases.get(lease_id)
         if lease is None:
@@ -219,6 +241,8 @@ class Reaper:
         if ttl_left <= 0:  # etcd ended it already
             self.forget(lease_id)
             return False
+        if self.journal is not None:
+            return self._judge_journal(lease_id, lease)
         at = now()
         left = ttl_left - headroom(granted_ttl)
         if left > 0 and term == self._terms.get(lease_id):  # renewed through another replica
@@ -239,4 +263,21 @@ class Reaper:
             expires_at = max(expires_at, at + self.interval_s)
         lease.expires_at = expires_at
         heapq.heappush(self._due, (expires_at, lease_id))
+        return False
+
+    def _judge_journal(self, lease_id: int, lease: StoredLease) -> bool:
+        """With the journal read up to etcd's revision: a lease renewed last through another
+        replica is left to it; one of this replica's ends at its own figure."""
+        book = self.journal.book if self.journal is not None else None
+        known = book.known.get(lease_id) if book is not None else None
+        if book is not None and known is not None and known.owner != book.me:
+            self.forget(lease_id)
+            return False
+        if known is not None:  # a renewal there written before this one's: its time too
+            lease.expires_at = max(lease.expires_at, known.logical_at + lease.grace)
+        at = now()
+        if lease.expires_at < sweep_cutoff(at):  # no heartbeat in flight reached it in time
+            return True
+        lease.expires_at = max(lease.expires_at, at + self.interval_s)
+        heapq.heappush(self._due, (lease.expires_at, lease_id))
         return False

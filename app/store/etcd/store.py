@@ -10,7 +10,10 @@
   of its TTL) however many readers want it. A lease only gains time (renewed through another
   replica): the figure is a lower bound, asked again when it runs out. Renewals go through a
   few long-lived keep-alive streams a member (``etcd_keepalive``), each answer with the
-  revision it was applied at;
+  revision it was applied at. With ``REGISTRY_ETCD_RENEW_WINDOW_S`` > 0 most renewals stay in
+  memory, shared through the renewal journal (``etcd_journal``), which readers answer from: a
+  lease no entry was seen for reads as etcd's TTL less the headroom (never short of its time,
+  at most the window long);
 - ``range`` is one linearizable Range (never stale), a prefix in pages (``etcd_range``);
 - ``wait``: every waiter under a top-level segment (``groups/``) shares one watch, and the
   store probes etcd once per ``probe_interval_s`` while anyone waits: a failed probe fails
@@ -26,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from functools import partial
 from typing import Any
 
 import aetcd
@@ -50,11 +55,17 @@ from app.store.etcd import ranges as etcd_range
 from app.store.etcd import watch as etcd_watch
 from app.store.etcd.cluster import Cluster
 from app.store.etcd.config import EtcdAccess, EtcdUrl, parse_url
+from app.store.etcd.journal import SLACK_S, Journal, in_journal, journal_key
 from app.store.etcd.keepalive import KeepAlives, Renewed
 from app.store.etcd.reaper import Reaper, headroom, headroom_s, logical
 from app.store.etcd.state import LeaseBook, WatchHub
+from app.store.lease_clock import ARRIVED, CLOCK, now
 
 log = logging.getLogger("app.store")
+
+# The least headroom (``REGISTRY_LEASE_GRACE_S``) lazy renewals run with: the journal's
+# presence lease is granted for the headroom, and etcd grants none much shorter.
+MIN_HEADROOM_S = 5
 
 
 class EtcdStore(Store):
@@ -74,6 +85,7 @@ class EtcdStore(Store):
         # A bound against floods, not a throttle: a slot stays held until this process reads
         # the answer, so under a storm a small bound starves calls etcd would answer at once.
         max_in_flight: int = 2048,
+        renew_window_s: float | None = None,  # None: REGISTRY_ETCD_RENEW_WINDOW_S (``CLOCK``)
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
@@ -89,9 +101,14 @@ class EtcdStore(Store):
             max_in_flight=max_in_flight,
         )
         self._call = self._cluster.call
+        self._timeout_s = timeout_s
+        self._window_given = renew_window_s
+        self._window: int | None = None  # fixed at the first lease call
+        self._journal: Journal | None = None
+        self._journal_starting: asyncio.Future[Journal] | None = None
         self._probe_interval_s = probe_interval_s
         self._leases = LeaseBook(lease_cache_s)
-        self._asking: dict[int, asyncio.Task[tuple[float, int, int]]] = {}
+        self._asking: dict[int, asyncio.Task[tuple[float, int, int, int]]] = {}
         self.reaper = Reaper(self._lease_figures, self._expire)
         self._reads: dict[tuple[bytes, bytes], asyncio.Future[Any]] = {}
         self._keepalives: weakref.WeakKeyDictionary[Any, KeepAlives] = weakref.WeakKeyDictionary()
@@ -167,6 +184,8 @@ class EtcdStore(Store):
     async def range(self, prefix: str, *, settled: bool = True) -> Snapshot:
         kvs, revision = await self._read_prefix(prefix)
         entries = [self._entry(kv) for kv in kvs]  # etcd answers in key order
+        if in_journal(prefix):  # the renewal journal's keys are not the store's
+            entries = [e for e in entries if not journal_key(e.key)]
         leases = {e.lease for e in entries if e.lease is not None}
         remaining = await self._remaining(leases) if leases else {}
         # A key whose lease's time is out (etcd keeps it for the headroom) is not shown, as
@@ -180,7 +199,12 @@ class EtcdStore(Store):
         return await etcd_range.rest(self._call, await self._read(start, end), end)
 
     async def _remaining(self, leases: set[int]) -> dict[int, float]:
-        known = {lease: self._leases.remaining(lease) for lease in leases}
+        journal = self._journal
+        known = {
+            lease: (journal.book.remaining(lease) if journal is not None else None)
+            for lease in leases
+        }
+        known = {k: self._leases.remaining(k) if v is None else v for k, v in known.items()}
         out = {lease: left for lease, left in known.items() if left is not None}
         ask = [lease for lease, left in known.items() if left is None]
         found = await asyncio.gather(*(self._lease_figures(k) for k in ask))
@@ -189,14 +213,14 @@ class EtcdStore(Store):
             out = {k: left + self.reaper.grace(k) for k, left in out.items()}
         return out
 
-    async def _lease_figures(self, lease: int) -> tuple[float, int, int]:
-        """etcd's (TTL left, granted TTL, raft term) of the lease, asked once however many
-        want it."""
+    async def _lease_figures(self, lease: int) -> tuple[float, int, int, int]:
+        """etcd's (TTL left, granted TTL, raft term, revision) of the lease, asked once
+        however many want it."""
         if lease not in self._asking:  # one question per lease however many ask at once
             self._asking[lease] = asyncio.create_task(self._ask_lease(lease))
         return await asyncio.shield(self._asking[lease])
 
-    async def _ask_lease(self, lease: int) -> tuple[float, int, int]:
+    async def _ask_lease(self, lease: int) -> tuple[float, int, int, int]:
         request = rpc.LeaseTimeToLiveRequest(ID=lease)
         try:
             info = await self._call(
@@ -204,9 +228,14 @@ class EtcdStore(Store):
             )
         finally:
             self._asking.pop(lease, None)
-        figures = max(0.0, float(info.TTL)), int(info.grantedTTL), int(info.header.raft_term)
-        room = headroom(figures[1])
-        self._leases.asked(lease, logical(figures[0], figures[1]), figures[1] - room)
+        header = info.header
+        figures = (
+            max(0.0, float(info.TTL)),
+            int(info.grantedTTL),
+            int(header.raft_term),
+            int(header.revision),
+        )
+        self._leases.asked(lease, logical(figures[0], figures[1]), self._ttl_of(figures[1]))
         return figures
 
     # -- writes ----------------------------------------------------------------------------
@@ -245,18 +274,38 @@ class EtcdStore(Store):
         return await self._call("transaction", fn)
 
     async def grant_lease(self, ttl_s: int) -> Lease:
-        request = rpc.LeaseGrantRequest(TTL=ttl_s + headroom_s())
+        journal = await self._journal_up()
+        request = rpc.LeaseGrantRequest(TTL=ttl_s + headroom_s() + self._window_s())
+        at = now()
         granted = await self._call(
             "lease grant", lambda c, t: c.leasestub.LeaseGrant(request, timeout=t)
         )
-        return self._followed(int(granted.ID), int(granted.TTL), int(granted.header.raft_term))
+        lease = self._followed(int(granted.ID), int(granted.TTL), int(granted.header.raft_term))
+        if journal is not None:
+            journal.renewed(lease.id, lease.ttl_s, at + int(granted.TTL))
+        return lease
+
+    def _window_s(self) -> int:
+        """W (``etcd_journal``), fixed at its first use: 0 with a headroom under
+        ``MIN_HEADROOM_S``."""
+        if self._window is None:
+            given = CLOCK.etcd_window_s if self._window_given is None else self._window_given
+            self._window = math.ceil(given) if headroom_s() >= MIN_HEADROOM_S else 0
+        return self._window
+
+    def _ttl_of(self, granted_ttl: int) -> int:
+        """The ttl of a lease etcd granted for ``granted_ttl`` seconds."""
+        room, window = headroom_s(), self._window_s()
+        if window and granted_ttl > room + window:
+            return granted_ttl - room - window
+        return granted_ttl - headroom(granted_ttl)
 
     def _followed(
         self, lease_id: int, granted_ttl: int, term: int, revision: int | None = None
     ) -> Lease:
         """A lease this replica granted or renewed (at raft ``term``), now at its full
         ``granted_ttl``: its logical time, known to readers and followed by the reaper."""
-        ttl = granted_ttl - headroom(granted_ttl)
+        ttl = self._ttl_of(granted_ttl)
         self._leases.granted(lease_id, float(ttl))
         if not self._closed:
             self.reaper.noted(lease_id, ttl, float(ttl), term)
@@ -264,21 +313,90 @@ class EtcdStore(Store):
         return Lease(lease_id, ttl, float(ttl), revision)
 
     async def refresh_lease(self, lease_id: int) -> Lease | None:
+        journal = await self._journal_up()
+        arrived = ARRIVED.get()
+        arrived = now() if arrived is None else arrived
         if self.reaper.overdue(lease_id) and await self.reaper.settle(lease_id):
             return None  # its time ran out before this renewal arrived: judged as SQLite does
-
-        async def fn(client: aetcd.Client, seconds: float) -> Renewed:
-            streams = self._keepalives.get(client)
-            if streams is None:
-                streams = self._keepalives[client] = KeepAlives(client)
-            return await streams.renew(lease_id, seconds)
-
-        renewed = await self._call("lease refresh", fn)
+        if journal is not None:
+            known = journal.book.known.get(lease_id)
+            at = now()
+            if known is not None and known.etcd_at >= at + known.ttl_s + headroom_s() + SLACK_S:
+                # In memory: etcd keeps it past this renewal's logical time + headroom.
+                journal.renewed(lease_id, known.ttl_s, known.etcd_at)
+                self.reaper.noted(lease_id, known.ttl_s, float(known.ttl_s), 0)
+                self.reaper.start()
+                revision = await journal.revision_after(arrived, self._timeout_s)
+                return Lease(lease_id, known.ttl_s, float(known.ttl_s), revision)
+        at = now()
+        renewed = await self._call("lease refresh", partial(self._keep_alive, lease_id))
         if renewed.ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has
             self._leases.granted(lease_id, None)
             self.reaper.forget(lease_id)
+            if journal is not None:
+                journal.book.forget(lease_id)
             return None
-        return self._followed(lease_id, renewed.ttl, renewed.term, renewed.revision)
+        lease = self._followed(lease_id, renewed.ttl, renewed.term, renewed.revision)
+        if journal is not None:
+            journal.renewed(lease_id, lease.ttl_s, at + renewed.ttl)
+        return lease
+
+    async def _keep_alive(self, lease_id: int, client: aetcd.Client, seconds: float) -> Renewed:
+        streams = self._keepalives.get(client)
+        if streams is None:
+            streams = self._keepalives[client] = KeepAlives(client)
+        return await streams.renew(lease_id, seconds)
+
+    async def _journal_up(self) -> Journal | None:
+        """The renewal journal (``etcd_journal``), started on the first lease call; None
+        when renewals are not lazy (``REGISTRY_ETCD_RENEW_WINDOW_S`` 0)."""
+        if not self._window_s() or self._closed:
+            return None
+        if self._journal is not None:
+            return self._journal
+        if self._journal_starting is None:
+            self._journal_starting = asyncio.ensure_future(self._start_journal())
+        starting = self._journal_starting
+        try:
+            return await asyncio.shield(starting)
+        except BaseException:
+            if self._journal_starting is starting and starting.done():
+                self._journal_starting = None  # the next call tries again
+            raise
+
+    async def _start_journal(self) -> Journal:
+        room = headroom_s()
+        journal = Journal(
+            self._call,
+            self._root,
+            room,
+            room + self._window_s() + 60.0,
+            moved=self._moved,
+            adopt=self._adopt,
+            lost=self._lost,
+        )
+        await journal.start()
+        self._journal = self.reaper.journal = journal
+        return journal
+
+    def _moved(self, leases: list[int]) -> None:
+        """Renewed last through another replica: that replica ends them (``etcd_journal``)."""
+        for lease_id in leases:
+            self.reaper.forget(lease_id)
+
+    def _adopt(self, leases: list[int]) -> None:
+        """Their replica is gone: ended here at their logical expiry + headroom."""
+        if self._journal is None or self._closed:
+            return
+        for lease_id in leases:
+            known = self._journal.book.known[lease_id]
+            self.reaper.adopt(lease_id, known.ttl_s, known.logical_at + headroom_s())
+        self.reaper.start()
+
+    def _lost(self) -> None:
+        """The journal lost history: what is followed here is left to etcd's own expiry."""
+        for lease_id in list(self.reaper.leases):
+            self.reaper.forget(lease_id)
 
     async def revoke_lease(self, lease_id: int) -> None:
         request = rpc.LeaseRevokeRequest(ID=lease_id)
@@ -293,6 +411,8 @@ class EtcdStore(Store):
         await self._call("lease revoke", fn)
         self._leases.granted(lease_id, None)
         self.reaper.forget(lease_id)
+        if self._journal is not None:
+            self._journal.ended(lease_id)
 
     async def _expire(self, lease_id: int) -> None:
         """The reaper ends a lease whose time ran out: ``on_expired`` is told its entries."""
@@ -403,7 +523,10 @@ class EtcdStore(Store):
 
     async def entries(self, prefix: str) -> Snapshot:
         kvs, revision = await self._read_prefix(prefix)
-        return Snapshot([self._entry(kv) for kv in kvs], revision, {})
+        entries = [self._entry(kv) for kv in kvs]
+        if in_journal(prefix):  # the renewal journal's keys are not the store's
+            entries = [e for e in entries if not journal_key(e.key)]
+        return Snapshot(entries, revision, {})
 
     async def lease_remaining(self, leases: set[int]) -> dict[int, float]:
         return await self._remaining(leases) if leases else {}
@@ -448,6 +571,8 @@ class EtcdStore(Store):
             return
         self._closed = True
         self.reaper.close()
+        if self._journal is not None:
+            self._journal.close()
         for task in [self._prober, *(h.task for h in self._hubs.values())]:
             if task is not None:
                 task.cancel()

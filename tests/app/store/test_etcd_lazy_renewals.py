@@ -1,0 +1,336 @@
+"""Lazy lease renewals on etcd (``REGISTRY_ETCD_RENEW_WINDOW_S``, ``app.store.etcd.journal``):
+renewals stay in memory and reach etcd about once per window, shared between replicas by the
+renewal journal; a lease renewed through another replica is kept and read live; a replica
+killed has its dead ranks ended by ttl + grace and its live ones kept by the replica they
+move to, or by its restart. Real etcd, the other replicas real processes; etcd's renewals
+counted from its own metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.store import Lease, Put
+from app.store.lease_clock import CLOCK
+from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from harness.server import RegistryProcess
+from tests.support.faults import agent_body, open_body
+
+pytestmark = [pytest.mark.store, pytest.mark.timeout(90)]
+
+if not etcd_available():
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from app.store.etcd.journal import TICK_S  # noqa: E402
+from app.store.etcd.store import EtcdStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+TTL_S = 2
+TP = 8
+GRACE_S = 5.0  # the headroom of the kill tests (REGISTRY_LEASE_GRACE_S), kept short
+
+# Another replica: an etcd store in its own process, with the grace and window given, that
+# renews the leases given every 0.25 s until killed: a line a round, "ok" or "gone", and the
+# renewals of its journal's presence lease so far.
+REPLICA = """
+import asyncio, sys
+from app.store.lease_clock import CLOCK
+from app.store.etcd.store import EtcdStore
+
+CLOCK.grace_s, CLOCK.etcd_window_s = float(sys.argv[2]), float(sys.argv[3])
+
+async def main() -> None:
+    store = EtcdStore.from_url(sys.argv[1], timeout_s=5.0)
+    await store.start()
+    leases = [int(i) for i in sys.argv[4].split(",")]
+    print("ready", flush=True)
+    while True:
+        answers = [await store.refresh_lease(i) for i in leases]
+        kept = getattr(getattr(store, "_journal", None), "presence_kept", 0)
+        print("ok" if all(answers) else "gone", kept, flush=True)
+        await asyncio.sleep(0.25)
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    with EtcdCluster(Path(tmp_path_factory.mktemp("etcd-lazy")), size=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def window() -> Iterator[None]:
+    """Lazy renewals, as ``REGISTRY_ETCD_RENEW_WINDOW_S=20`` would set them."""
+    saved = CLOCK.etcd_window_s, CLOCK.grace_s
+    CLOCK.etcd_window_s = 20.0
+    try:
+        yield
+    finally:
+        CLOCK.etcd_window_s, CLOCK.grace_s = saved
+
+
+def keepalives(cluster: EtcdCluster) -> float:
+    """Lease renewals etcd received (every stream's requests)."""
+    return cluster.metric("grpc_server_msg_received_total", "LeaseKeepAlive")
+
+
+def presence_kept(store: EtcdStore) -> int:
+    """Renewals of the store's own journal presence lease (none before the journal)."""
+    return int(getattr(getattr(store, "_journal", None), "presence_kept", 0))
+
+
+@asynccontextmanager
+async def replica(url: str, leases: list[int]) -> AsyncIterator[asyncio.subprocess.Process]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        REPLICA,
+        url,
+        str(GRACE_S),
+        str(CLOCK.etcd_window_s),
+        ",".join(map(str, leases)),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert await line(proc, 30.0) == "ready"
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def line(proc: asyncio.subprocess.Process, within_s: float = 15.0) -> str:
+    assert proc.stdout is not None
+    raw = await asyncio.wait_for(proc.stdout.readline(), within_s)
+    assert raw, "the other replica ended"
+    return raw.decode().strip()
+
+
+@pytest.mark.usefixtures("window")
+def test_renewals_reach_etcd_about_once_per_window(etcd: EtcdCluster) -> None:
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(uuid.uuid4().hex), timeout_s=5.0)
+        store._window_given = 5.0  # a short window: refreshed twice in the 6 s below
+        try:
+            lease = await store.grant_lease(TTL_S)
+            before = await asyncio.to_thread(keepalives, etcd)
+            # A renewal every 0.1 s, each answered at the journal's next write (its tick).
+            renewals: list[asyncio.Task[Lease | None]] = []
+            started = time.monotonic()
+            while time.monotonic() - started < 6.0:
+                renewals.append(asyncio.create_task(store.refresh_lease(lease.id)))
+                await asyncio.sleep(0.1)
+            answers = await asyncio.gather(*renewals)
+            revisions = [a.revision for a in answers if a is not None]
+            assert len(revisions) == len(answers), "a renewal was refused"
+            sent = await asyncio.to_thread(keepalives, etcd) - before
+            assert len(answers) >= 30
+            assert 1 <= sent <= math.ceil(len(answers) / 10) + 1, (
+                f"{len(answers)} renewals sent {sent:g} to etcd"
+            )
+            assert None not in revisions
+            # etcd still keeps it past its logical time and the headroom.
+            ttl_left, granted, _, _ = await store._ask_lease(lease.id)
+            assert ttl_left >= TTL_S + math.ceil(CLOCK.grace_s) - 1
+            assert granted == TTL_S + math.ceil(CLOCK.grace_s) + 5
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.usefixtures("window")
+def test_a_lease_renewed_in_memory_through_another_replica_is_kept_and_read_live(
+    etcd: EtcdCluster,
+) -> None:
+    async def body() -> None:
+        url = etcd.url(uuid.uuid4().hex)
+        granter, renewer = EtcdStore.from_url(url), EtcdStore.from_url(url)
+        try:
+            lease = await granter.grant_lease(TTL_S)
+            assert (await granter.txn([], [Put("agent", b"x", lease.id)])).succeeded
+            await asyncio.sleep(TICK_S + 0.2)  # the grant is in the journal
+            before = await asyncio.to_thread(keepalives, etcd)
+            lags = []
+            for _ in range(12):  # 6 s: the granter's own figure ran out 4 s ago
+                renewed = await renewer.refresh_lease(lease.id)
+                assert renewed is not None
+                done = time.monotonic()
+                # The granter reads it live with its full ttl within a journal tick.
+                while (await granter.lease_remaining({lease.id}))[lease.id] < TTL_S - 0.2:
+                    assert time.monotonic() - done < TICK_S, "the granter reads an old figure"
+                    await asyncio.sleep(0.01)
+                lags.append(time.monotonic() - done)
+                await asyncio.sleep(0.5)
+            last = time.monotonic()
+            sent = await asyncio.to_thread(keepalives, etcd) - before
+            assert sent <= 1, f"12 renewals in memory sent {sent:g} to etcd"
+            assert granter.reaper.ended == 0, "a replica ended a lease another one renews"
+            assert [e.key for e in (await granter.range("")).entries] == ["agent"]
+            # Not renewed any more: ended at its ttl by the replica it was renewed through.
+            while await granter.get("agent") is not None:
+                elapsed = time.monotonic() - last
+                assert elapsed < TTL_S + 0.5 + 1.5, f"still there {elapsed:.2f} s after"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - last > TTL_S - 0.5, "ended before its ttl"
+            assert (renewer.reaper.ended, granter.reaper.ended) == (1, 0)
+            print(f"reads on the granter agreed after {max(lags) * 1000:.0f} ms at most")
+        finally:
+            await granter.close()
+            await renewer.close()
+
+    asyncio.run(body())
+
+
+def node(http: httpx.Client, gid: str, ranks: range) -> str:
+    """Open ``gid`` and register ``ranks`` in one batch (one lease); its engine_id."""
+    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP))
+    assert opened.status_code in (200, 201), opened.text
+    eid = str(opened.json()["engine_id"])
+    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in ranks]}
+    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
+    return eid
+
+
+def beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx.Response:
+    return http.post(
+        f"/tp-groups/{gid}/engine/agents/heartbeat", json={"engine_id": eid, "ranks": ranks}
+    )
+
+
+async def watch_live(store: EtcdStore, key: str, seconds: float) -> None:
+    """``key`` read live on ``store`` every 0.1 s for ``seconds``."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        entries = (await store.range(key)).entries
+        assert entries, f"a live rank lapsed {time.monotonic() - started:.1f} s in"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.usefixtures("window")
+def test_a_killed_replica_s_dead_ranks_end_by_the_grace_and_live_ones_move(
+    etcd: EtcdCluster,
+) -> None:
+    CLOCK.grace_s = GRACE_S
+
+    async def body() -> None:
+        url = etcd.url(uuid.uuid4().hex)
+        survivor = EtcdStore.from_url(url, timeout_s=5.0)
+        try:
+            dead, live = await survivor.grant_lease(TTL_S), await survivor.grant_lease(TTL_S)
+            puts = [Put("dead", b"x", dead.id), Put("live", b"x", live.id)]
+            assert (await survivor.txn([], puts)).succeeded
+            async with replica(url, [dead.id, live.id]) as other:
+                for _ in range(8):  # 2 s: renewed there, in memory
+                    assert (await line(other)).startswith("ok")
+                other.send_signal(signal.SIGKILL)
+                await other.wait()
+            killed = time.monotonic()
+            before = await asyncio.to_thread(keepalives, etcd) + presence_kept(survivor)
+
+            async def renew_live() -> None:  # the node's heartbeats move to the survivor
+                while True:
+                    assert await survivor.refresh_lease(live.id) is not None
+                    await asyncio.sleep(0.5)
+
+            renewing = asyncio.create_task(renew_live())
+            try:
+                while await survivor.get("dead") is not None:
+                    elapsed = time.monotonic() - killed
+                    assert elapsed < TTL_S + GRACE_S + 2.0, f"dead rank there {elapsed:.1f} s"
+                    assert (await survivor.range("live")).entries, "the live rank lapsed"
+                    await asyncio.sleep(0.1)
+                assert time.monotonic() - killed > GRACE_S - 2.0, "adopted before the grace"
+                await watch_live(survivor, "live", 3.0)
+            finally:
+                renewing.cancel()
+            sent = await asyncio.to_thread(keepalives, etcd) - before - presence_kept(survivor)
+            assert sent <= 3, f"the survivor's renewals sent {sent:g} to etcd"
+            assert survivor.reaper.ended == 1
+        finally:
+            await survivor.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.usefixtures("window")
+def test_a_replica_restarted_within_the_grace_keeps_its_live_ranks(etcd: EtcdCluster) -> None:
+    CLOCK.grace_s = GRACE_S
+
+    async def body() -> None:
+        url = etcd.url(uuid.uuid4().hex)
+        observer = EtcdStore.from_url(url, timeout_s=5.0)
+        try:
+            lease = await observer.grant_lease(TTL_S)
+            assert (await observer.txn([], [Put("live", b"x", lease.id)])).succeeded
+            async with replica(url, [lease.id]) as first:
+                for _ in range(8):
+                    assert (await line(first)).startswith("ok")
+                first.send_signal(signal.SIGKILL)
+                await first.wait()
+            # Its restart takes about a second (the import): the lease is kept meanwhile,
+            # and by the new process from its first renewal on, past the old one's grace.
+            async with replica(url, [lease.id]) as again:
+                answer = await line(again)  # on etcd: the new process knew nothing of it
+                before = await asyncio.to_thread(keepalives, etcd) + presence_kept(observer)
+                watching = asyncio.create_task(watch_live(observer, "live", GRACE_S + TTL_S))
+                first_kept = int(answer.split()[1])
+                while not watching.done():
+                    answer = await line(again)
+                    assert answer.split()[0] == "ok"
+                await watching
+                kept = int(answer.split()[1]) - first_kept
+            sent = await asyncio.to_thread(keepalives, etcd) - before - presence_kept(observer)
+            sent -= kept
+            assert sent <= 2, f"the restarted replica's renewals sent {sent:g} to etcd"
+            assert observer.reaper.ended == 0
+        finally:
+            await observer.close()
+
+    asyncio.run(body())
+
+
+def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    """Through a real registry process with ``REGISTRY_ETCD_RENEW_WINDOW_S``: node heartbeats
+    are answered from the watch feed at the journal write's revision (no range read, no
+    renewal on etcd), and one right after a deregistration still names the rank."""
+    env = {"REGISTRY_ETCD_RENEW_WINDOW_S": "110"}
+    log = tmp_path / "registry.log"
+    with (
+        RegistryProcess(etcd.url(uuid.uuid4().hex), log_path=log, env=env) as proc,
+        httpx.Client(base_url=proc.url, timeout=10) as http,
+    ):
+        groups = {f"lazy-{i}": node(http, f"lazy-{i}", range(TP)) for i in range(5)}
+        ranges, renewals = etcd.metric("grpc_server_msg_received_total", "Range"), keepalives(etcd)
+        for _ in range(4):
+            for gid, eid in groups.items():
+                answer = beat(http, gid, eid, list(range(TP)))
+                assert answer.status_code == 200, answer.text
+        ranges = etcd.metric("grpc_server_msg_received_total", "Range") - ranges
+        renewals = keepalives(etcd) - renewals
+        assert ranges <= 2, f"20 heartbeats made {ranges:g} range reads"
+        assert renewals <= 2, f"20 heartbeats sent {renewals:g} renewals to etcd"
+        for i in range(5):  # rank 0 gone, its lease held on by rank 1
+            gid, eid = f"dereg-{i}", node(http, f"dereg-{i}", range(2))
+            gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
+            assert gone.status_code == 204, gone.text
+            answer = beat(http, gid, eid, [0, 1])
+            assert answer.status_code == 404, (i, answer.text)
+            assert "rank 0" in answer.json()["detail"], answer.text
+            assert beat(http, gid, eid, [1]).status_code == 200
