@@ -183,11 +183,13 @@ def _locked(path: Path, operation: int) -> int:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    # The worker's own config only: a pytest a test starts (tests/test_tiers.py) inherits the
+    # worker's environment, and must not wait for the lock its parent holds.
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
         yield
         return
-    where = Path(tempfile.gettempdir()) / f"engine-registry-tests-{run}"
+    where = Path(tempfile.gettempdir()) / f"engine-registry-tests-{workerinput['testrunuid']}"
     where.mkdir(exist_ok=True)
     serial = item.get_closest_marker("serial") is not None
     turnstile = _locked(where / "turnstile", fcntl.LOCK_EX)
