@@ -45,6 +45,8 @@ check: lint types
 # made while .venv/, the Debian packages and the checks are. The deploy tier (Docker,
 # namespaces, kubectl: mostly waiting, about half a core) starts once .venv/ and the packages
 # are, beside the checks and then the other tiers; its output (.deploy-tier.log) after theirs.
+# The main tiers run on two pytest-xdist workers, a module at a time each (--dist loadfile:
+# module fixtures are made once); modules marked serial run alone (tests/conftest.py).
 test:
 	@bash scripts/setup-vllm.sh > $(VLLM_SETUP_LOG) 2>&1 & setup=$$!; \
 	trap 'kill $$setup $${deploy:-} 2>/dev/null' INT TERM; \
@@ -55,7 +57,8 @@ test:
 	wait $$setup; vllm=$$?; cat $(VLLM_SETUP_LOG); \
 	if [ $$vllm -ne 0 ]; then echo "make test: scripts/setup-vllm.sh failed (exit $$vllm), its output above"; fi; \
 	if [ $$made -eq 0 ] && [ $$vllm -eq 0 ]; then \
-		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy and not gpu" --durations=30; others=$$?; \
+		ENGINE_REGISTRY_REQUIRE_ALL=1 $(BIN)/pytest -m "not vllm and not deploy and not gpu" \
+			-p xdist -n 2 --dist loadfile --durations=30; others=$$?; \
 	else others=2; fi; \
 	wait $$deploy; tier=$$?; echo "== the deploy tier, run beside the checks and tiers (exit $$tier) =="; \
 	cat $(DEPLOY_LOG); [ $$others -eq 0 ] && [ $$tier -eq 0 ]

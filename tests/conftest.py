@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from harness.server import RegistryProcess
+from tests.support.faults import RECOVERY, write_recovery
 
 
 @pytest.fixture
@@ -131,3 +135,69 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         if problem is not None:
             report.outcome = "failed"
             report.longrepr = problem
+
+
+# -- the fault tests' recovery times ---------------------------------------------------------------
+#
+# Here, not in tests/app/conftest.py: under pytest-xdist (make test) the controller collects
+# nothing, so only this conftest is loaded there; each worker hands its records over at its end.
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker
+        workeroutput["recovery"] = dict(RECOVERY)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist's controller: a worker ended; keep the records it made."""
+    RECOVERY.update(getattr(node, "workeroutput", {}).get("recovery", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    path = write_recovery()
+    if path is None:
+        return
+    terminalreporter.section("fault recovery times (seconds)")
+    for name, facts in sorted(RECOVERY.items()):
+        terminalreporter.write_line(f"{name}: {facts}")
+    terminalreporter.write_line(f"written to {path}")
+
+
+# -- serial tests under pytest-xdist -------------------------------------------------------------
+#
+# make test runs the main tiers on two pytest-xdist workers. A module marked ``serial`` (checks
+# that time the event loop, lease clocks or torchrun groups) runs alone: each of its tests holds
+# an exclusive lock, every other test a shared one. A turnstile lock taken first gives the
+# exclusive one precedence, so a serial test waits for the other worker's test in hand, never
+# for more. Taken before pytest-timeout starts its clock: the wait is not the test's time.
+# Without xdist, nothing is locked.
+
+
+def _locked(path: Path, operation: int) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, operation)
+    return fd
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    # The worker's own config only: a pytest a test starts (tests/test_tiers.py) inherits the
+    # worker's environment, and must not wait for the lock its parent holds.
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
+        yield
+        return
+    where = Path(tempfile.gettempdir()) / f"engine-registry-tests-{workerinput['testrunuid']}"
+    where.mkdir(exist_ok=True)
+    serial = item.get_closest_marker("serial") is not None
+    turnstile = _locked(where / "turnstile", fcntl.LOCK_EX)
+    try:
+        held = _locked(where / "tests", fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+    finally:
+        os.close(turnstile)  # closing the descriptor releases its lock
+    try:
+        yield
+    finally:
+        os.close(held)

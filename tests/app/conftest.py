@@ -1,6 +1,6 @@
 """Fixtures of the service's tests (``tests/app``): real certificates made at test time
 (trustme) and registry processes serving HTTPS and mutual TLS, real etcd members under
-replicas, and the fault tests' recovery-time summary."""
+replicas. The fault tests' recovery-time summary: tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from harness.pki import Pki
 from harness.server import RegistryProcess
 from tests.support.chromium import CHROMIUM, Chromium, chromium
 from tests.support.chromium import SKIP_REASON as NO_CHROMIUM
-from tests.support.faults import RECOVERY, write_recovery
 
 ADMIN = "admin-token-5d2c0f7e8a61"
 WORKER = "worker-token-b81e44a0c9"
@@ -69,13 +68,3 @@ def etcd_trio(tmp_path: Path) -> Iterator[EtcdCluster]:
         pytest.skip(SKIP_REASON)
     with EtcdCluster(tmp_path / "etcd", size=3) as cluster:
         yield cluster
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    path = write_recovery()
-    if path is None:
-        return
-    terminalreporter.section("fault recovery times (seconds)")
-    for name, facts in sorted(RECOVERY.items()):
-        terminalreporter.write_line(f"{name}: {facts}")
-    terminalreporter.write_line(f"written to {path}")

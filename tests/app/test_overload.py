@@ -23,7 +23,7 @@ from harness.etcd import EtcdCluster
 from harness.server import RegistryProcess
 from tests.support.faults import agent_body, open_body
 
-pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.faults, pytest.mark.serial, pytest.mark.timeout(120)]
 
 QUIET = ["--no-access-log", "--log-level", "warning"]
 FLOOD = ["/status", "/tp-groups", "/events"]

@@ -19,6 +19,10 @@ from tests.app.api.conftest import agent_body, launch
 pytestmark = pytest.mark.api
 
 HOME = "\x1b[H"
+# A frame is read once the next one starts, and a quiet watch redraws at each BOOKMARK (5 s by
+# default): a bookmark each 0.5 s keeps every wait for a frame short. The frames, and what they
+# must show, are the same.
+QUIET = {"REGISTRY_WATCH_BOOKMARK_S": "0.5"}
 
 
 class Output:
@@ -67,7 +71,7 @@ def _sigint_ignored() -> None:
 def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
     tmp_path: Path,
 ) -> None:
-    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}") as registry:
+    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", env=QUIET) as registry:
         c = httpx.Client(base_url=registry.url, timeout=10)
         body = {"launch_id": launch(), "tp_size": 2, "role": "prefill"}
         eid = c.put("/tp-groups/alpha/engine", json=body).json()["engine_id"]
@@ -119,7 +123,7 @@ def test_watch_marks_changes_survives_a_lost_registry_and_exits_on_ctrl_c(
 
 
 def test_watch_takes_ctrl_c_even_when_started_with_sigint_ignored(tmp_path: Path) -> None:
-    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}") as registry:
+    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}", env=QUIET) as registry:
         cmd = [
             sys.executable,
             "-m",

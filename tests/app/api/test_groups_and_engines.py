@@ -127,7 +127,12 @@ def test_resolve_superseded_engine_id_is_410_with_the_current_engine(
         assert old["engine_id"] in body["detail"]
 
 
-@pytest.mark.parametrize("engine_id", [str(uuid.uuid4()), "not-a-uuid", "x" * 128])
+# Fixed ids (a fresh uuid each run): pytest-xdist's workers must collect the same names.
+@pytest.mark.parametrize(
+    "engine_id",
+    [str(uuid.uuid4()), "not-a-uuid", "x" * 128],
+    ids=["a-fresh-uuid", "not-a-uuid", "overlong"],
+)
 def test_resolve_never_issued_engine_id_is_404(api: httpx.Client, engine_id: str) -> None:
     problem(api.get(f"/engines/{engine_id}"), 404, "not_found")
 

@@ -160,7 +160,12 @@ def test_every_answer_carries_a_request_id(api: httpx.Client, reg: Api) -> None:
     assert len(seen) == len(requests_to_try(api, reg))
 
 
-@pytest.mark.parametrize("rid", ["my-request-42", "a" * 64, uuid.uuid4().hex])
+# Fixed ids (a fresh uuid each run): pytest-xdist's workers must collect the same names.
+@pytest.mark.parametrize(
+    "rid",
+    ["my-request-42", "a" * 64, uuid.uuid4().hex],
+    ids=["my-request-42", "64-characters", "a-fresh-uuid"],
+)
 def test_a_request_id_sent_by_the_client_is_echoed(api: httpx.Client, reg: Api, rid: str) -> None:
     for request in requests_to_try(api, reg):
         request.headers["X-Request-ID"] = rid

@@ -15,7 +15,7 @@ from app.store import Put
 from app.store.lease_clock import ARRIVED, CLOCK, IN_FLIGHT, now
 from app.store.sqlite.store import SqliteStore
 
-pytestmark = [pytest.mark.store, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.store, pytest.mark.serial, pytest.mark.timeout(60)]
 
 
 def _stall_the_loop(seconds: float) -> None:

@@ -25,7 +25,7 @@ from app.store.sqlite.store import SqliteStore
 from tests.support.faults import agent_body, record
 from tests.support.hostile import serve
 
-pytestmark = pytest.mark.faults
+pytestmark = [pytest.mark.faults, pytest.mark.serial]
 
 STEP_S = 3600.0
 TTL_S = 5

@@ -20,7 +20,7 @@ import pytest
 from tests.workers.test_node_batching import requests_by_route
 from tests.workers.torchrun_support import Launch, free_port, launched, logs, wait_all
 
-pytestmark = [pytest.mark.workers, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.workers, pytest.mark.serial, pytest.mark.timeout(180)]
 
 SERVE_S = 5.0  # three heartbeat intervals of the 5 s lease
 
