@@ -58,11 +58,11 @@ log = logging.getLogger("app.store")
 # heartbeat answered at that revision needs no fence of its own.
 PREFIX = "groups.\x7frenewed/"
 MARK = "groups.\x7frenewed"  # the journal's keys and its watch's fence start so
-TICK_S = 0.5  # at most one write a tick
+TICK_S = 0.05  # at most one write a tick: a renewal waits for the next write, ≤ a tick
 # The tick shortens with the pace, to about this many leases a write, down to ``MIN_TICK_S``:
-# a renewal waits for the next write, so a busy replica waits less, a quiet one writes less.
+# a busy replica's renewals wait less, and a quiet one writes at most once a ``TICK_S``.
 LEASES_A_WRITE = 20
-MIN_TICK_S = 0.05
+MIN_TICK_S = 0.02
 PROGRESS_S = 5.0  # a quiet journal watch asks etcd for progress this often
 SLACK_S = 2.0  # etcd is refreshed this long before strictly needed
 MS = 1000.0
