@@ -98,6 +98,14 @@ class Metrics:
             "or the problem code.",
             ["outcome"],
         )
+        self.group_reads = self._counter(
+            "registry_group_reads",
+            "Groups read for handshakes, resolutions and engine reads, by where the answer "
+            "came from: the watch feed (etcd, once current) or the store's reads.",
+            ["source"],
+        )
+        self.feed_reads = self.group_reads.labels("feed")
+        self.store_reads = self.group_reads.labels("store")
 
     def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)

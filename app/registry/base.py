@@ -138,7 +138,9 @@ class RegistryBase:
     async def _group_read(self, gid: str) -> GroupState:
         """A reader's ``_group``: from the watch feed when it is current (``fresh.py``)."""
         if not await self._seen_now():
+            self.metrics.store_reads.inc()
             return await self._group(gid)
+        self.metrics.feed_reads.inc()
         state = await self._seen_state(gid)
         if state is None:
             raise _no_group(gid)
@@ -228,7 +230,9 @@ class RegistryBase:
         if seen:
             state = await self._resolved_as_seen(engine_id)
             if state is not None:
+                self.metrics.feed_reads.inc()
                 return state
+        self.metrics.store_reads.inc()
         index = await self._index(engine_id)
         if index is None:
             raise NotFound(

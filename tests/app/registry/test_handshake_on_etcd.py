@@ -42,6 +42,15 @@ def ranges(cluster: EtcdCluster) -> float:
     return cluster.metric("grpc_server_started_total", "Range")
 
 
+def group_reads(http: httpx.Client) -> dict[str, float]:
+    """The registry's ``registry_group_reads_total`` by source."""
+    found: dict[str, float] = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("registry_group_reads_total{"):
+            found[line.split('source="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 @pytest.fixture(scope="module")
 def http(etcd: EtcdCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     log = tmp_path_factory.mktemp("registry") / "registry.log"
@@ -65,7 +74,7 @@ def test_reads_of_engines_cost_a_revision_read_not_a_range_read_each(
     etcd: EtcdCluster, http: httpx.Client
 ) -> None:
     groups = {f"p-{i}": prefill(http, f"p-{i}") for i in range(4)}
-    before = ranges(etcd)
+    before, counted = ranges(etcd), group_reads(http)
     reads = 0
     for _ in range(10):
         for gid, eid in groups.items():
@@ -80,6 +89,10 @@ def test_reads_of_engines_cost_a_revision_read_not_a_range_read_each(
     # resolutions of 2, 40 group reads of 1: 520. From the feed: a revision read each (one
     # at a time here, none shared), and each group's blobs read once.
     assert served <= reads + len(groups) + 4, f"{reads} reads made {served:g} Range calls"
+    # The registry says where it answered them: each handshake, engine and group read once.
+    after = group_reads(http)
+    assert after["feed"] - counted["feed"] >= reads - len(groups), (counted, after)
+    assert after["store"] - counted["store"] <= len(groups), (counted, after)
 
 
 def test_concurrent_handshakes_share_one_revision_read(etcd: EtcdCluster) -> None:
