@@ -106,6 +106,7 @@ class Run:
 
     opens: list[float] = field(default_factory=list)
     registers: list[float] = field(default_factory=list)
+    registered_at: list[float] = field(default_factory=list)  # each group's, perf_counter
     beats: list[float] = field(default_factory=list)
     lags: list[float] = field(default_factory=list)
     plans: list[float] = field(default_factory=list)
@@ -257,6 +258,7 @@ async def _group(
         t = time.perf_counter()
         status, _ = await _put(pool, f"/tp-groups/{gid}/engine/agents", agents, run)
         run.registers.append(time.perf_counter() - t)
+        run.registered_at.append(time.perf_counter())
         if status != 200:
             run.errors.append(f"register {gid}: {status}")
             return
@@ -284,6 +286,23 @@ async def _planner(pool: RawPool, run: Run, prefill: list[str], rate: float, see
         run.plans.append(time.perf_counter() - sent)
         run.count("handshake", status, sent)
         due += PLANNERS / rate
+
+
+def quarters(done: list[float], t0: float) -> dict[str, Any]:
+    """Groups registered a second in each quarter of the launch's groups (by their order of
+    completion), and the last quarter's rate over the first's (issue 51: ≥ 0.7, a launch whose
+    cost per group does not grow with the fleet)."""
+    done = sorted(done)
+    n = len(done) // 4
+    if n == 0:
+        return {}
+    edges = [t0, done[n - 1], done[2 * n - 1], done[3 * n - 1], done[-1]]
+    counts = [n, n, n, len(done) - 3 * n]
+    rates = [c / max(1e-9, b - a) for c, a, b in zip(counts, edges[:-1], edges[1:], strict=True)]
+    return {
+        "groups_per_s_by_quarter": [round(r) for r in rates],
+        "last_quarter_over_first": round(rates[3] / rates[0], 2),
+    }
 
 
 async def fleet_run(
@@ -330,6 +349,7 @@ async def fleet_run(
                 "ranks_per_s": round(fleet.ranks / ready),
                 "open": summary_ms(run.opens),
                 "register": summary_ms(run.registers),
+                **quarters(run.registered_at, t0),
                 "errors": len(run.errors),
                 "first_errors": run.errors[:5],
                 "client_cpu_s": round(time.process_time() - cpu0, 2),

@@ -21,6 +21,11 @@
 5. **A again**: A started on the same port and store: the time until it serves, and the tries
    it gets in the next interval (nodes stay where they renewed: none move back).
 
+With ``--stop S`` a stall comes first (issue 51): ``kill -STOP`` of A for S seconds, then
+``kill -CONT``; A's nodes wait for it (the fleet's client has no call deadline under the
+heartbeat's interval). Two heartbeat intervals on, the heartbeats answered 404 (a live rank
+lapsed by the stall: the goal is 0) and the slowest answer; then the kill as above.
+
 Nothing is asserted; figures go to ``bench/results/replica_kill.json`` (``bench.run``) or
 stdout.
 """
@@ -96,7 +101,30 @@ def _kill(a: RegistryProcess, b: RegistryProcess, moved: set[int], run: Run) -> 
     }
 
 
-def measure(ranks: int, quick: bool) -> dict[str, Any]:
+def _stop(a: RegistryProcess, run: Run, seconds: float) -> dict[str, Any]:
+    """SIGSTOP A for ``seconds``, SIGCONT, then two heartbeat intervals: every node renewed
+    at least once after A came back, so a lease A ended wrongly shows as a 404."""
+    t_stop = time.perf_counter()
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    time.sleep(2 * HEARTBEAT_S)
+    after = [t for t in run.tries if t[0] >= t_stop]
+    waits = sorted(done - sent for sent, done, _, _, _ in after)
+    return {
+        "how": f"SIGSTOP of replica A for {seconds:g} s, then SIGCONT",
+        "heartbeat_tries": len(after),
+        "heartbeats_404_after": sum(1 for t in after if t[4] == 404),
+        "tries_503_429": sum(1 for t in after if t[4] in (429, 503)),
+        "tries_refused_or_broken": sum(1 for t in after if t[4] == 0),
+        "answers_waited_over_1s": sum(1 for w in waits if w > 1.0),
+        "slowest_answer_s": round(waits[-1], 2) if waits else None,
+    }
+
+
+def measure(ranks: int, quick: bool, stop_s: float = 0.0) -> dict[str, Any]:
     ok, why = etcd_store_available()
     if not ok:
         return {"ranks": ranks, "skipped": why}
@@ -115,6 +143,9 @@ def measure(ranks: int, quick: bool) -> dict[str, Any]:
             phases: dict[str, Any] = {}
 
             def after_window() -> dict[str, Any]:
+                if stop_s > 0:
+                    say(f"replica_kill: {ranks} ranks; SIGSTOP of replica A for {stop_s:g} s")
+                    phases["stop"] = _stop(a, run, stop_s)
                 say(f"replica_kill: {ranks} ranks; SIGKILL of replica A")
                 phases["kill"] = _kill(a, b, moved, run)
                 return {}
@@ -149,6 +180,9 @@ def measure(ranks: int, quick: bool) -> dict[str, Any]:
         **phases,
         "statuses_after_window": out["after_window_statuses"],
         "goals": {"lapses": 0},
+        "registry_env": {
+            k: v for k, v in os.environ.items() if k.startswith("REGISTRY_ETCD_RENEW")
+        },
         "load_before": load_before,
         "load_after": Path("/proc/loadavg").read_text().split()[:3],
     }
@@ -162,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.replica_kill", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="2,000 ranks, a 5 s window")
     parser.add_argument("--ranks", type=int, default=None)
+    parser.add_argument(
+        "--stop", type=float, default=0.0, help="SIGSTOP replica A this long before the kill"
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.stop < HEARTBEAT_S:
+        parser.error(f"--stop {args.stop:g}: 0 (none) up to the {HEARTBEAT_S:g} s interval")
     ranks = args.ranks or (2000 if args.quick else 100_000)
-    print(json.dumps(measure(ranks, args.quick), indent=1))
+    print(json.dumps(measure(ranks, args.quick, args.stop), indent=1))
     return 0
 
 
