@@ -74,7 +74,10 @@ class Metrics:
             "registry_events_dropped",
             "Events left out because the buffer was full before a flush (REGISTRY_EVENTS_KEEP).",
         )
+        self._streams_and_load()
 
+    def _streams_and_load(self) -> None:
+        """Watch and keep-alive streams, shedding, and where group reads are answered."""
         self.watchers = self._gauge("registry_watchers", "Watch streams open on this replica.")
         self.watch_events_sent = self._counter(
             "registry_watch_events_sent",
