@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import os
 import random
 import time
@@ -364,6 +365,11 @@ async def fleet_run(
                 )
                 for i, (g, e) in enumerate(fleet.engines.items())
             ]
+        # The client's heap (every node's connection, stream and task) frozen out of the
+        # collector, as the registry's is (app/core/gcfreeze.py): its full collections
+        # stalled this loop, delaying the answers in flight (client lag, docs/benchmarks.md).
+        gc.collect()
+        gc.freeze()
         start = time.perf_counter() + warmup_s
         run.window = (start, start + window_s)
         prefill = [eid for gid, eid in fleet.engines.items() if gid.startswith("prefill")]
