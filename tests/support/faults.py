@@ -64,6 +64,23 @@ def agent_body(engine_id: str, rank: int, ttl_s: int = 30) -> dict[str, Any]:
     }
 
 
+def node(http: httpx.Client, gid: str, ranks: Sequence[int], tp_size: int = 8) -> str:
+    """Open ``gid`` (TP ``tp_size``) and register ``ranks`` in one batch, one lease, as a
+    node does; its engine_id."""
+    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=tp_size))
+    assert opened.status_code in (200, 201), opened.text
+    eid = str(opened.json()["engine_id"])
+    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in ranks]}
+    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
+    return eid
+
+
+def node_beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx.Response:
+    """A node's heartbeat for ``ranks``."""
+    body = {"engine_id": eid, "ranks": ranks}
+    return http.post(f"/tp-groups/{gid}/engine/agents/heartbeat", json=body)
+
+
 @dataclass
 class Answer:
     response: httpx.Response

@@ -25,7 +25,7 @@ from app.registry import Registry
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.feeds import registry_with_feed
 from harness.server import RegistryProcess
-from tests.support.faults import agent_body, open_body
+from tests.support.faults import agent_body, node, open_body
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(180)]
 
@@ -61,19 +61,10 @@ def http(etcd: EtcdCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield client
 
 
-def prefill(http: httpx.Client, gid: str) -> str:
-    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP))
-    assert opened.status_code in (200, 201), opened.text
-    eid = str(opened.json()["engine_id"])
-    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in range(TP)]}
-    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
-    return eid
-
-
 def test_reads_of_engines_cost_a_revision_read_not_a_range_read_each(
     etcd: EtcdCluster, http: httpx.Client
 ) -> None:
-    groups = {f"p-{i}": prefill(http, f"p-{i}") for i in range(4)}
+    groups = {f"p-{i}": node(http, f"p-{i}", range(TP)) for i in range(4)}
     before, counted = ranges(etcd), group_reads(http)
     reads = 0
     for _ in range(10):

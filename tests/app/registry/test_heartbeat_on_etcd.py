@@ -17,7 +17,7 @@ from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.feeds import registry_with_feed
 from harness.server import RegistryProcess
-from tests.support.faults import agent_body, open_body
+from tests.support.faults import agent_body, node, node_beat, open_body
 
 pytestmark = pytest.mark.store
 
@@ -49,29 +49,14 @@ def served(cluster: EtcdCluster, method: str) -> float:
     return cluster.metric("grpc_server_started_total", method)
 
 
-def node(http: httpx.Client, gid: str, ranks: range = range(TP)) -> str:
-    """Open ``gid`` and register ``ranks`` in one batch (one lease); its engine_id."""
-    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP))
-    assert opened.status_code in (200, 201), opened.text
-    eid = str(opened.json()["engine_id"])
-    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in ranks]}
-    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
-    return eid
-
-
-def beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx.Response:
-    body = {"engine_id": eid, "ranks": ranks}
-    return http.post(f"/tp-groups/{gid}/engine/agents/heartbeat", json=body)
-
-
 def test_node_heartbeats_renew_on_a_few_streams_without_a_range_read(
     etcd: EtcdCluster, http: httpx.Client
 ) -> None:
-    groups = {f"hb-{i}": node(http, f"hb-{i}") for i in range(10)}
+    groups = {f"hb-{i}": node(http, f"hb-{i}", range(TP)) for i in range(10)}
     ranges, streams = served(etcd, "Range"), served(etcd, "LeaseKeepAlive")
     for _ in range(5):
         for gid, eid in groups.items():
-            answer = beat(http, gid, eid, list(range(TP)))
+            answer = node_beat(http, gid, eid, list(range(TP)))
             assert answer.status_code == 200, answer.text
             assert [a["rank"] for a in answer.json()["agents"]] == list(range(TP))
         one = {"engine_id": groups["hb-0"]}
@@ -93,19 +78,19 @@ def test_a_heartbeat_right_after_a_deregistration_names_the_rank(http: httpx.Cli
         eid = node(http, gid, range(2))
         gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
         assert gone.status_code == 204, gone.text
-        answer = beat(http, gid, eid, [0, 1])
+        answer = node_beat(http, gid, eid, [0, 1])
         assert answer.status_code == 404, (i, answer.text)
         assert "rank 0" in answer.json()["detail"], answer.text
-        assert beat(http, gid, eid, [1]).status_code == 200
+        assert node_beat(http, gid, eid, [1]).status_code == 200
 
 
 def test_a_heartbeat_right_after_a_relaunch_is_refused(http: httpx.Client) -> None:
     for i in range(20):
         gid = f"relaunch-{i}"
-        old = node(http, gid)
+        old = node(http, gid, range(TP))
         new = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP)).json()
         assert new["engine_id"] != old
-        answer = beat(http, gid, old, list(range(TP)))
+        answer = node_beat(http, gid, old, list(range(TP)))
         assert answer.status_code == 409, (i, answer.text)
         assert answer.json()["type"].endswith("engine_id_mismatch"), answer.text
 

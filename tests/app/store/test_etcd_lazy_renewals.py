@@ -24,7 +24,7 @@ from app.store import Lease, Put
 from app.store.lease_clock import CLOCK
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.server import RegistryProcess
-from tests.support.faults import agent_body, open_body
+from tests.support.faults import node, node_beat
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(90)]
 
@@ -196,22 +196,6 @@ def test_a_lease_renewed_in_memory_through_another_replica_is_kept_and_read_live
     asyncio.run(body())
 
 
-def node(http: httpx.Client, gid: str, ranks: range) -> str:
-    """Open ``gid`` and register ``ranks`` in one batch (one lease); its engine_id."""
-    opened = http.put(f"/tp-groups/{gid}/engine", json=open_body(tp_size=TP))
-    assert opened.status_code in (200, 201), opened.text
-    eid = str(opened.json()["engine_id"])
-    batch = {"agents": [{**agent_body(eid, r), "rank": r} for r in ranks]}
-    assert http.put(f"/tp-groups/{gid}/engine/agents", json=batch).status_code == 200
-    return eid
-
-
-def beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx.Response:
-    return http.post(
-        f"/tp-groups/{gid}/engine/agents/heartbeat", json={"engine_id": eid, "ranks": ranks}
-    )
-
-
 async def watch_live(store: EtcdStore, key: str, seconds: float) -> None:
     """``key`` read live on ``store`` every 0.1 s for ``seconds``."""
     started = time.monotonic()
@@ -320,7 +304,7 @@ def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
         ranges, renewals = etcd.metric("grpc_server_msg_received_total", "Range"), keepalives(etcd)
         for _ in range(4):
             for gid, eid in groups.items():
-                answer = beat(http, gid, eid, list(range(TP)))
+                answer = node_beat(http, gid, eid, list(range(TP)))
                 assert answer.status_code == 200, answer.text
         ranges = etcd.metric("grpc_server_msg_received_total", "Range") - ranges
         renewals = keepalives(etcd) - renewals
@@ -330,7 +314,7 @@ def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
             gid, eid = f"dereg-{i}", node(http, f"dereg-{i}", range(2))
             gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
             assert gone.status_code == 204, gone.text
-            answer = beat(http, gid, eid, [0, 1])
+            answer = node_beat(http, gid, eid, [0, 1])
             assert answer.status_code == 404, (i, answer.text)
             assert "rank 0" in answer.json()["detail"], answer.text
-            assert beat(http, gid, eid, [1]).status_code == 200
+            assert node_beat(http, gid, eid, [1]).status_code == 200
