@@ -81,6 +81,18 @@ def node_beat(http: httpx.Client, gid: str, eid: str, ranks: list[int]) -> httpx
     return http.post(f"/tp-groups/{gid}/engine/agents/heartbeat", json=body)
 
 
+def refused_after_deregistration(http: httpx.Client, gid: str, tag: object = None) -> None:
+    """A node of ranks 0 and 1 on one lease; rank 0 deregistered. A heartbeat naming rank 0 is
+    404 naming it (the lease lives on through rank 1), one for rank 1 alone is 200."""
+    eid = node(http, gid, range(2))
+    gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
+    assert gone.status_code == 204, gone.text
+    answer = node_beat(http, gid, eid, [0, 1])
+    assert answer.status_code == 404, (tag, answer.text)
+    assert "rank 0" in answer.json()["detail"], answer.text
+    assert node_beat(http, gid, eid, [1]).status_code == 200
+
+
 @dataclass
 class Answer:
     response: httpx.Response

@@ -17,7 +17,13 @@ from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.feeds import registry_with_feed
 from harness.server import RegistryProcess
-from tests.support.faults import agent_body, node, node_beat, open_body
+from tests.support.faults import (
+    agent_body,
+    node,
+    node_beat,
+    open_body,
+    refused_after_deregistration,
+)
 
 pytestmark = pytest.mark.store
 
@@ -74,14 +80,7 @@ def test_a_heartbeat_right_after_a_deregistration_names_the_rank(http: httpx.Cli
     """Rank 0 deregistered, the lease lives on (rank 1 holds it): the feed may not have the
     deletion yet when the heartbeat renews the lease, and the answer must still be 404."""
     for i in range(30):
-        gid = f"dereg-{i}"
-        eid = node(http, gid, range(2))
-        gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
-        assert gone.status_code == 204, gone.text
-        answer = node_beat(http, gid, eid, [0, 1])
-        assert answer.status_code == 404, (i, answer.text)
-        assert "rank 0" in answer.json()["detail"], answer.text
-        assert node_beat(http, gid, eid, [1]).status_code == 200
+        refused_after_deregistration(http, f"dereg-{i}", i)
 
 
 def test_a_heartbeat_right_after_a_relaunch_is_refused(http: httpx.Client) -> None:

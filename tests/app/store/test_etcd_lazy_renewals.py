@@ -24,7 +24,7 @@ from app.store import Lease, Put
 from app.store.lease_clock import CLOCK
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.server import RegistryProcess
-from tests.support.faults import node, node_beat
+from tests.support.faults import node, node_beat, refused_after_deregistration
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(90)]
 
@@ -311,10 +311,4 @@ def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
         assert ranges <= 2, f"20 heartbeats made {ranges:g} range reads"
         assert renewals <= 2, f"20 heartbeats sent {renewals:g} renewals to etcd"
         for i in range(5):  # rank 0 gone, its lease held on by rank 1
-            gid, eid = f"dereg-{i}", node(http, f"dereg-{i}", range(2))
-            gone = http.delete(f"/tp-groups/{gid}/engine/agents/0", params={"engine_id": eid})
-            assert gone.status_code == 204, gone.text
-            answer = node_beat(http, gid, eid, [0, 1])
-            assert answer.status_code == 404, (i, answer.text)
-            assert "rank 0" in answer.json()["detail"], answer.text
-            assert node_beat(http, gid, eid, [1]).status_code == 200
+            refused_after_deregistration(http, f"dereg-{i}", i)
