@@ -42,6 +42,7 @@ from aetcd.utils import prefix_range_end
 from app.store.base import (
     ChangeBatch,
     Compare,
+    Delete,
     Entry,
     Lease,
     Op,
@@ -52,6 +53,7 @@ from app.store.base import (
     Unavailable,
 )
 from app.store.etcd import ranges as etcd_range
+from app.store.etcd import txns as etcd_txns
 from app.store.etcd import watch as etcd_watch
 from app.store.etcd.cluster import Cluster
 from app.store.etcd.config import EtcdAccess, EtcdUrl, parse_url
@@ -101,6 +103,7 @@ class EtcdStore(Store):
             max_in_flight=max_in_flight,
         )
         self._call = self._cluster.call
+        self._txns = etcd_txns.TxnBatcher(self._call, self._txn_alone, timeout_s)
         self._timeout_s = timeout_s
         self._window_given = renew_window_s
         self._window: int | None = None  # fixed at the first lease call
@@ -259,17 +262,26 @@ class EtcdStore(Store):
                 end = prefix_range_end(key) if op.prefix else b""
                 delete = rpc.DeleteRangeRequest(key=key, range_end=end)
                 requests.append(rpc.RequestOp(request_delete_range=delete))
-        request = rpc.TxnRequest(compare=checks, success=requests)
+        touched = etcd_txns.scopes(
+            [c.key for c in compares]
+            + [op.key for op in ops if not (isinstance(op, Delete) and op.prefix)],
+            [op.key for op in ops if isinstance(op, Delete) and op.prefix],
+        )
+        won, revision = await self._txns.submit(
+            rpc.TxnRequest(compare=checks, success=requests), touched
+        )
+        return TxnResult(won, revision)
 
-        async def fn(client: aetcd.Client, seconds: float) -> TxnResult:
+    async def _txn_alone(self, request: rpc.TxnRequest) -> tuple[bool, int]:
+        async def fn(client: aetcd.Client, seconds: float) -> tuple[bool, int]:
             try:
                 reply = await client.kvstub.Txn(request, timeout=seconds)
             except rpc.AioRpcError as exc:
                 if exc.code() != rpc.StatusCode.NOT_FOUND:  # a Put named a lease that is gone
                     raise
-                return TxnResult(False, await self._head(client, seconds))
+                return False, await self._head(client, seconds)
             # Won: the Txn's own revision; lost: the store's revision at the compare.
-            return TxnResult(bool(reply.succeeded), int(reply.header.revision))
+            return bool(reply.succeeded), int(reply.header.revision)
 
         return await self._call("transaction", fn)
 
