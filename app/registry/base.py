@@ -155,6 +155,24 @@ class RegistryBase:
             return False
         return await seen.reached(await self.heads.after_now(), FRESH_WAIT_S)
 
+    async def _seen_for_write(self, gid: str) -> GroupState | None:
+        """A write's first look at a group on a store whose reads are round trips: the watch
+        feed's state while the feed follows the store (no Range: at a fleet's launch on etcd,
+        one a registration). Its compares (each key at the revision the feed shows) hold only
+        if the store shows the same, so a feed behind makes the write lose and the next try
+        reads the store; a refusal is decided on the store's state, never on this. None: no
+        such feed, or it shows no engine for the group even once it reached the store's
+        revision now (``_seen_now``: one read shared by the writes waiting for it; a
+        registration right after its open comes before the open's watch event half the time
+        at a fleet's launch)."""
+        seen = self.seen
+        if seen is None or not self.store.remote_reads or not seen.following:
+            return None
+        state = await self._seen_state(gid)
+        if state is None and await self._seen_now():
+            state = await self._seen_state(gid)
+        return state
+
     async def _seen_state(self, gid: str) -> GroupState | None:
         """The group as the watch feed shows it now, its entries on leases whose time is out
         left out as a range read leaves them out; None when the feed has no engine for it."""

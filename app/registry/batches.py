@@ -30,11 +30,17 @@ class BatchesMixin(AgentsMixin):
             _check_reachable(item.host, client_host, ("agents", i, "host"))
         blobs = [blob_of(item.agent_metadata) for item in req.agents]
         ttl_s = req.agents[0].ttl_s
+        tries = 0
 
         async def attempt() -> Agents | Lost:
-            # As one registration (``_current(writing=True)``): decided on pending changes,
-            # refused only on durable state.
-            state = await self._group_or_none(gid, settled=False)
+            # As one registration (``_current(writing=True)``): decided on pending changes (the
+            # first try on etcd: on the watch feed, ``_seen_for_write``), refused only on
+            # durable state.
+            nonlocal tries
+            tries += 1
+            state = await self._seen_for_write(gid) if tries == 1 else None
+            if state is None:
+                state = await self._group_or_none(gid, settled=False)
             if state is None or not all(self._fits(state, i.rank, i.engine_id) for i in req.agents):
                 state = await self._group(gid)
             engine = state.engine
