@@ -77,6 +77,19 @@ def _etcd_requests(cluster: Any) -> dict[str, float]:
     return counts
 
 
+def _etcd_load(cluster: Any) -> tuple[dict[str, float], float] | None:
+    """etcd's requests so far (``_etcd_requests``) and every member's CPU seconds; None
+    without etcd."""
+    if cluster is None:
+        return None
+    return _etcd_requests(cluster), sum(cpu_seconds(m.proc.pid) for m in cluster.members)
+
+
+def _sent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Requests by method between two counts (methods that received any)."""
+    return {m: after[m] - before.get(m, 0.0) for m in after if after[m] > before.get(m, 0.0)}
+
+
 def _etcd_status(cluster: Any) -> dict[str, Any]:
     status = json.loads(cluster.etcdctl("endpoint", "status", "-w", "json"))
     sizes = [s["Status"]["dbSize"] for s in status]
@@ -179,15 +192,26 @@ def one_row(
         pid = registry.pid
         rss_empty = rss_mib(pid)
         cpu0 = cpu_seconds(pid)
+        etcd0 = _etcd_load(cluster)
+
+        def on_ready() -> dict[str, Any]:
+            """The launch's cost: the registry's CPU, and etcd's (every member's CPU, the
+            requests it received by method)."""
+            figures: dict[str, Any] = {"server_cpu_s": round(cpu_seconds(pid) - cpu0, 2)}
+            now = _etcd_load(cluster)
+            if etcd0 is not None and now is not None:
+                (msgs0, ecpu0), (msgs1, ecpu1) = etcd0, now
+                figures["etcd_cpu_s"] = round(ecpu1 - ecpu0, 2)
+                figures["etcd_requests"] = _sent(msgs0, msgs1)
+            return figures
 
         def on_window(start: bool) -> None:
             if start:
                 seen["rss_ready"] = rss_mib(pid)
             marks.append(cpu_seconds(pid))
-            if cluster is not None:  # etcd's own: requests received, every member's CPU
-                etcd_marks.append(
-                    (_etcd_requests(cluster), sum(cpu_seconds(m.proc.pid) for m in cluster.members))
-                )
+            load = _etcd_load(cluster)  # etcd's own: requests received, every member's CPU
+            if load is not None:
+                etcd_marks.append(load)
 
         out = asyncio.run(
             fleet_run(
@@ -198,6 +222,7 @@ def one_row(
                 handshakes_per_s=HANDSHAKES_PER_S,
                 on_window=on_window,
                 after_window=after_window,
+                on_ready=on_ready,
                 renew=renew,
             )
         )
@@ -210,7 +235,7 @@ def one_row(
     hold["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, work) * 1e6)
     if etcd_marks:
         (msgs0, ecpu0), (msgs1, ecpu1) = etcd_marks
-        sent = {m: msgs1[m] - msgs0.get(m, 0.0) for m in msgs1 if msgs1[m] > msgs0.get(m, 0.0)}
+        sent = _sent(msgs0, msgs1)
         hold["etcd_requests_per_s"] = round(sum(sent.values()) / window)
         hold["etcd_requests_per_heartbeat"] = round(
             sum(sent.values()) / max(1.0, hold["heartbeats_per_s"] * window), 2

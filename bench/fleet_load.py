@@ -315,12 +315,14 @@ async def fleet_run(
     handshakes_per_s: float,
     on_window: Callable[[bool], None] | None = None,
     after_window: Callable[[], dict[str, Any]] | None = None,
+    on_ready: Callable[[], dict[str, Any]] | None = None,
     launch: bool = True,
     run: Run | None = None,
     renew: str = "rest",
 ) -> dict[str, Any]:
     """Launch (unless ``launch`` is False: ``fleet.engines`` is given), heartbeats, the
-    window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends.
+    window, ``after_window`` in a thread; ``on_window(start)`` marks the window's ends,
+    ``on_ready()`` the launch's (what it returns joins the launch's figures).
     ``url``: one registry, or its replicas (the module's doc); ``run``: what is seen goes
     there (``after_window`` may read it). ``renew``: ``rest`` (``POST …/heartbeat``) or
     ``stream`` (one keep-alive stream a node, ``bench/fleet_stream.py``; one registry)."""
@@ -354,6 +356,7 @@ async def fleet_run(
                 "errors": len(run.errors),
                 "first_errors": run.errors[:5],
                 "client_cpu_s": round(time.process_time() - cpu0, 2),
+                **(on_ready() if on_ready else {}),
             }
         else:
             rng = random.Random(3)
