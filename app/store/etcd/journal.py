@@ -322,7 +322,12 @@ class Journal:
                     self.book.prune(self._horizon_s)
             except Exception as exc:  # etcd unreachable: renewals wait, then fail alone
                 if not failing:
-                    log.warning("renewal journal: %s; tried again every %.1f s", exc, TICK_S)
+                    log.warning(
+                        "renewal journal: %s; tried again each tick (%g-%g s)",
+                        exc,
+                        MIN_TICK_S,
+                        TICK_S,
+                    )
                 failing = True
             else:
                 if failing:
