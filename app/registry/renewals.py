@@ -45,6 +45,9 @@ MEMO_NODES = 50_000
 
 class RenewalsMixin(RegistryBase):
     _renewal_memo: dict[tuple[str, str, tuple[int, ...]], _Kept] | None = None
+    # A node's last answer from the watch feed, with the group's mapping it was read from (a
+    # mapping is replaced on a change, never changed: the same one gives the same answer).
+    _seen_memo: dict[tuple[str, str, tuple[int, ...]], tuple[object, dict[int, int]]] | None = None
 
     async def _renewals(
         self, gid: str, ranks: list[int], engine_id: str, field: FieldPath = ("ranks",)
@@ -97,6 +100,8 @@ class RenewalsMixin(RegistryBase):
         answer is kept with the entries it was read from: the same entries (the same objects:
         entries are immutable, a change is a new one) give the same answer without decoding
         them again (a node's heartbeat repeats the same read every interval)."""
+        if self.store.remote_reads:
+            return None  # a store whose reads are round trips has no memory to peek at
         memo = self._renewal_memo
         if memo is None:
             memo = self._renewal_memo = {}
@@ -116,12 +121,25 @@ class RenewalsMixin(RegistryBase):
         return leases
 
     def _leases_seen(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
-        """From the watch feed as it is now (maybe behind the store)."""
+        """From the watch feed as it is now (maybe behind the store); a node's last answer
+        kept with the group's mapping it came from (``_seen_memo``)."""
         group = self.seen.groups.get(gid) if self.seen is not None else None
         if group is None:
             return None
+        memo = self._seen_memo
+        if memo is None:
+            memo = self._seen_memo = {}
+        asked = (gid, engine_id, tuple(ranks))
+        kept = memo.get(asked)
+        if kept is not None and kept[0] is group:
+            return kept[1]
         entries = [group.get(keys.engine(gid)), *(group.get(keys.agent(gid, r)) for r in ranks)]
-        return self._leases_in(entries, ranks, engine_id)
+        leases = self._leases_in(entries, ranks, engine_id)
+        if leases is not None:
+            if len(memo) >= MEMO_NODES:
+                memo.clear()
+            memo[asked] = (group, leases)
+        return leases
 
     async def _renewed_as_seen(
         self, gid: str, ranks: list[int], engine_id: str

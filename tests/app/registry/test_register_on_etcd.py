@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.core.errors import EngineIdMismatch
+from app.core.errors import EngineIdMismatch, NotFound
 from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
 from app.registry import Registry
 from app.watch.feed import Feed
@@ -114,5 +114,37 @@ def test_a_feed_behind_a_relaunch_neither_registers_nor_refuses_on_it(etcd: Etcd
             agents = [e for e in snap.entries if "/agents/" in e.key]
             assert len(agents) == TP
             assert all(new.encode() in e.value for e in agents)
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_heartbeat_follows_its_node_through_a_registration_again(etcd: EtcdCluster) -> None:
+    """A node's heartbeat answered from the feed, then the node registered again (a new lease,
+    the old one revoked): its next heartbeat renews the new lease from the feed (no Range
+    read: what it kept of the last answer is not reused for a changed group); after a
+    deregistration it names the rank gone."""
+
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(f"again-{uuid.uuid4().hex}"), timeout_s=5.0)
+        async with registry_with_feed(store) as (registry, feed):
+            eid = await open_group(registry, "g")
+            await registry.register_agents("g", batch(eid), None)
+            await shown(feed, "g", "groups/g/agents/00007", eid)
+            first = feed.groups["g"]["groups/g/agents/00000"].lease
+            await registry.renew_agents("g", eid, list(range(TP)))
+            await registry.register_agents("g", batch(eid), None)
+            await shown(feed, "g", "groups/g/agents/00007", eid)
+            deadline = time.monotonic() + 5
+            while feed.groups["g"]["groups/g/agents/00000"].lease == first:
+                assert time.monotonic() < deadline, "the feed never showed the new lease"
+                await asyncio.sleep(0.01)
+            before = ranges(etcd)
+            renewed = await registry.renew_agents("g", eid, list(range(TP)))
+            assert [r for r, _ in renewed] == list(range(TP))
+            assert ranges(etcd) - before == 0
+            await registry.deregister("g", 3, eid)
+            with pytest.raises(NotFound) as gone:
+                await registry.renew_agents("g", eid, list(range(TP)))
+            assert "rank 3" in str(gone.value)
 
     asyncio.run(asyncio.wait_for(body(), 60))
