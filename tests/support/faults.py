@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +26,19 @@ from harness.server import RegistryProcess
 
 OUTPUT_DIR = Path(__file__).resolve().parents[1] / "output"  # tests/output (git-ignored)
 RECOVERY: dict[str, dict[str, Any]] = {}
+
+
+async def while_stopped(pid: int, calls: Sequence[Awaitable[Any]]) -> tuple[list[Any], float]:
+    """``calls`` run to their ends (answer or exception) while process ``pid`` (an etcd
+    member) is stopped (SIGSTOP; SIGCONT on the way out, whatever happens): their outcomes and
+    the seconds they took together."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        return list(outcomes), time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def record(name: str, **facts: Any) -> None:

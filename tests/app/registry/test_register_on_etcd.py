@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,12 +28,6 @@ if not etcd_available():
 from app.store.etcd.store import EtcdStore  # noqa: E402
 
 TP = 8
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    with EtcdCluster(tmp_path_factory.mktemp("etcd"), size=1) as cluster:
-        yield cluster
 
 
 def ranges(cluster: EtcdCluster) -> float:

@@ -6,9 +6,6 @@ again after it resumes. Real etcd; the streams it served counted from its own me
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +15,7 @@ import pytest
 from app.store import Put
 from app.store import Unavailable as StoreUnavailable
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from tests.support.faults import while_stopped
 
 pytestmark = pytest.mark.store
 
@@ -85,16 +83,9 @@ def test_renewals_to_a_frozen_etcd_end_in_time_and_answers_stay_aligned(
         try:
             leases = [await store.grant_lease(60) for _ in range(20)]
             await store.revoke_lease(leases[3].id)
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
-                t0 = time.monotonic()
-                stuck = await asyncio.gather(
-                    *(store.refresh_lease(lease.id) for lease in leases * 3),
-                    return_exceptions=True,
-                )
-                took = time.monotonic() - t0
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
+            stuck, took = await while_stopped(
+                proc.pid, [store.refresh_lease(lease.id) for lease in leases * 3]
+            )
             assert all(isinstance(a, StoreUnavailable) for a in stuck), stuck[:3]
             assert took < 2.0, f"renewals to a frozen etcd took {took:.2f} s (deadline 1 s)"
             for _ in range(3):

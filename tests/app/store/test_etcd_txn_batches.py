@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -17,6 +15,7 @@ import pytest
 
 from app.store import Compare, Delete, Put, Unavailable
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
+from tests.support.faults import while_stopped
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(90)]
 
@@ -151,16 +150,9 @@ def test_a_frozen_etcd_fails_waiting_transactions_within_twice_the_deadline(
         store = EtcdStore.from_url(etcd.url(uuid.uuid4().hex), timeout_s=1.0)
         try:
             await store.txn([], [Put("groups/q/engine", b"0")])
-            os.kill(proc.pid, signal.SIGSTOP)
-            try:
-                t0 = time.monotonic()
-                stuck = await asyncio.gather(
-                    *(store.txn([], [Put("groups/q/engine", b"%d" % i)]) for i in range(6)),
-                    return_exceptions=True,
-                )
-                took = time.monotonic() - t0
-            finally:
-                os.kill(proc.pid, signal.SIGCONT)
+            stuck, took = await while_stopped(
+                proc.pid, [store.txn([], [Put("groups/q/engine", b"%d" % i)]) for i in range(6)]
+            )
             assert all(isinstance(s, Unavailable) for s in stuck), stuck
             assert took < 2.5, f"transactions to a frozen etcd took {took:.2f} s (deadline 1 s)"
             assert any("waited" in str(s) for s in stuck), [str(s) for s in stuck]
