@@ -253,6 +253,8 @@ class EtcdStore(Store):
             for c in compares
         ]  # result EQUAL is the default
         requests = []
+        keys = [c.key for c in compares]  # what the transaction touches (``etcd_txns.scopes``)
+        prefixes: list[str] = []
         for op in ops:
             key = self._key(op.key)
             if isinstance(op, Put):
@@ -262,26 +264,20 @@ class EtcdStore(Store):
                 end = prefix_range_end(key) if op.prefix else b""
                 delete = rpc.DeleteRangeRequest(key=key, range_end=end)
                 requests.append(rpc.RequestOp(request_delete_range=delete))
-        touched = etcd_txns.scopes(
-            [c.key for c in compares]
-            + [op.key for op in ops if not (isinstance(op, Delete) and op.prefix)],
-            [op.key for op in ops if isinstance(op, Delete) and op.prefix],
-        )
-        won, revision = await self._txns.submit(
-            rpc.TxnRequest(compare=checks, success=requests), touched
-        )
-        return TxnResult(won, revision)
+            (prefixes if isinstance(op, Delete) and op.prefix else keys).append(op.key)
+        request = rpc.TxnRequest(compare=checks, success=requests)
+        return await self._txns.submit(request, etcd_txns.scopes(keys, prefixes))
 
-    async def _txn_alone(self, request: rpc.TxnRequest) -> tuple[bool, int]:
-        async def fn(client: aetcd.Client, seconds: float) -> tuple[bool, int]:
+    async def _txn_alone(self, request: rpc.TxnRequest) -> TxnResult:
+        async def fn(client: aetcd.Client, seconds: float) -> TxnResult:
             try:
                 reply = await client.kvstub.Txn(request, timeout=seconds)
             except rpc.AioRpcError as exc:
                 if exc.code() != rpc.StatusCode.NOT_FOUND:  # a Put named a lease that is gone
                     raise
-                return False, await self._head(client, seconds)
+                return TxnResult(False, await self._head(client, seconds))
             # Won: the Txn's own revision; lost: the store's revision at the compare.
-            return bool(reply.succeeded), int(reply.header.revision)
+            return TxnResult(bool(reply.succeeded), int(reply.header.revision))
 
         return await self._call("transaction", fn)
 

@@ -33,11 +33,9 @@ from dataclasses import dataclass, field
 import aetcd
 from aetcd import rpc
 
-from app.store.base import Unavailable
+from app.store.base import TxnResult, Unavailable
 
-# (succeeded, revision): the store's TxnResult, without importing its dataclass here.
-Outcome = tuple[bool, int]
-Alone = Callable[[rpc.TxnRequest], Awaitable[Outcome]]
+Alone = Callable[[rpc.TxnRequest], Awaitable[TxnResult]]
 Call = Callable[[str, Callable[[aetcd.Client, float], Awaitable[object]]], Awaitable[object]]
 
 PIPES = 1
@@ -69,7 +67,7 @@ def scopes(keys: Iterable[str], prefixes: Iterable[str]) -> frozenset[str] | Non
 
 @dataclass
 class _Batch:
-    items: list[tuple[rpc.TxnRequest, asyncio.Future[Outcome]]] = field(default_factory=list)
+    items: list[tuple[rpc.TxnRequest, asyncio.Future[TxnResult]]] = field(default_factory=list)
     scopes: set[str] = field(default_factory=set)
     size: int = 0
     widest: int = 0  # the most ops of one of its transactions
@@ -96,14 +94,13 @@ class TxnBatcher:
         self._waiting: list[_Batch] = []
         self._kicked = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self.sent_together = 0  # transactions that went in a shared Txn (tests read it)
 
-    async def submit(self, request: rpc.TxnRequest, touched: frozenset[str] | None) -> Outcome:
+    async def submit(self, request: rpc.TxnRequest, touched: frozenset[str] | None) -> TxnResult:
         size = request.ByteSize()
         if touched is None or size > MAX_BYTES // 4:
             return await self._alone(request)
         ops = max(len(request.compare), len(request.success))
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[TxnResult] = asyncio.get_running_loop().create_future()
         for batch in self._waiting:
             if batch.takes(touched, size, ops):
                 break
@@ -152,7 +149,6 @@ class TxnBatcher:
             if outcomes is None:  # refused as a whole: each on its own
                 await asyncio.gather(*(self._one(r, f) for r, f in batch.items))
                 return
-            self.sent_together += len(batch.items)
             for (_, future), outcome in zip(batch.items, outcomes, strict=True):
                 _settle(future, outcome)
         except Exception as exc:  # every caller of the batch hears of it
@@ -166,7 +162,7 @@ class TxnBatcher:
             if self._waiting:
                 self._kick()
 
-    async def _together(self, batch: _Batch) -> list[Outcome] | None:
+    async def _together(self, batch: _Batch) -> list[TxnResult] | None:
         request = rpc.TxnRequest(success=[rpc.RequestOp(request_txn=r) for r, _ in batch.items])
 
         async def fn(client: aetcd.Client, seconds: float) -> object:
@@ -182,11 +178,11 @@ class TxnBatcher:
             return None
         revision = int(reply.header.revision)  # type: ignore[attr-defined]
         return [
-            (bool(response.response_txn.succeeded), revision)
+            TxnResult(bool(response.response_txn.succeeded), revision)
             for response in reply.responses  # type: ignore[attr-defined]
         ]
 
-    async def _one(self, request: rpc.TxnRequest, future: asyncio.Future[Outcome]) -> None:
+    async def _one(self, request: rpc.TxnRequest, future: asyncio.Future[TxnResult]) -> None:
         try:
             _settle(future, await self._alone(request))
         except Exception as exc:  # its own caller hears of it
@@ -209,6 +205,6 @@ _SPLIT_CODES = (
 )
 
 
-def _settle(future: asyncio.Future[Outcome], outcome: Outcome) -> None:
+def _settle(future: asyncio.Future[TxnResult], outcome: TxnResult) -> None:
     if not future.done():
         future.set_result(outcome)
