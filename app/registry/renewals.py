@@ -18,6 +18,8 @@ range read, which answers or refuses as before):
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from app.core.errors import FieldPath
 from app.registry import keys
 from app.registry.base import RegistryBase, _no_group, outside_group
@@ -39,8 +41,19 @@ _Kept = tuple[list[str], list[Entry | None], dict[int, int]]
 SEEN_WAIT_S = 3.0
 
 
-# Nodes whose last answer is kept (``_leases_now``): past it the memo starts over.
+# Nodes whose last answer is kept (``_leases_now``, ``_leases_seen``): past it the memo starts
+# over.
 MEMO_NODES = 50_000
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _keep(memo: dict[K, V], asked: K, answer: V) -> None:
+    """``answer`` kept for ``asked``, in a memo of at most ``MEMO_NODES`` nodes."""
+    if len(memo) >= MEMO_NODES:
+        memo.clear()
+    memo[asked] = answer
 
 
 class RenewalsMixin(RegistryBase):
@@ -115,9 +128,7 @@ class RenewalsMixin(RegistryBase):
             return kept[2]
         leases = self._leases_in(entries, ranks, engine_id)
         if leases is not None:
-            if len(memo) >= MEMO_NODES:
-                memo.clear()
-            memo[asked] = (wanted, entries, leases)
+            _keep(memo, asked, (wanted, entries, leases))
         return leases
 
     def _leases_seen(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:
@@ -136,9 +147,7 @@ class RenewalsMixin(RegistryBase):
         entries = [group.get(keys.engine(gid)), *(group.get(keys.agent(gid, r)) for r in ranks)]
         leases = self._leases_in(entries, ranks, engine_id)
         if leases is not None:
-            if len(memo) >= MEMO_NODES:
-                memo.clear()
-            memo[asked] = (group, leases)
+            _keep(memo, asked, (group, leases))
         return leases
 
     async def _renewed_as_seen(
