@@ -6,7 +6,11 @@ scale a node's heartbeat is the registry's commonest request, so two cheaper rea
 each answering only when every rank is a live agent of that engine (anything else takes the
 range read, which answers or refuses as before):
 
-- the store's memory (``Store.peek``; the SQLite store), read without waiting;
+- the store's memory (``Store.peek``; the SQLite store), read without waiting; a node's last
+  answer is kept with the store's ``memory_version``, and while that number stands (no entry
+  put or deleted since, none ended) the answer stands without the peek: the leases' own
+  liveness is what the renewal then judges (``refresh_lease`` refuses an ended one, and the
+  heartbeat is refused as a peek would have it refused);
 - the replica's watch feed (``seen``), for a store whose renewals say the revision they were
   applied at (``Store.renewal_revisions``; etcd): the leases the feed shows are renewed first,
   then the feed is checked again once it has applied every change up to the latest renewal's
@@ -27,8 +31,9 @@ from app.registry.records import AgentBrief, EngineRecord
 from app.registry.state import GroupState
 from app.store import Entry, Lease
 
-# A node's heartbeat's read: its keys, the entries read, the leases they gave.
-_Kept = tuple[list[str], list[Entry | None], dict[int, int]]
+# A node's heartbeat's read: its keys, the entries read, the leases they gave, the store's
+# memory_version they were read at.
+_Kept = tuple[list[str], list[Entry | None], dict[int, int], int | None]
 
 # How long a heartbeat waits for the watch feed to reach its renewals' revision. The leases are
 # renewed before the wait, so a feed that lags delays the answer, never the renewal; the range
@@ -112,7 +117,9 @@ class RenewalsMixin(RegistryBase):
         """From the store's memory without waiting (None where it cannot say). A node's last
         answer is kept with the entries it was read from: the same entries (the same objects:
         entries are immutable, a change is a new one) give the same answer without decoding
-        them again (a node's heartbeat repeats the same read every interval)."""
+        them again (a node's heartbeat repeats the same read every interval), and at the same
+        ``memory_version`` without reading them (a lease ended since is then refused by its
+        renewal, not here)."""
         if self.store.remote_reads:
             return None  # a store whose reads are round trips has no memory to peek at
         memo = self._renewal_memo
@@ -120,15 +127,19 @@ class RenewalsMixin(RegistryBase):
             memo = self._renewal_memo = {}
         asked = (gid, engine_id, tuple(ranks))
         kept = memo.get(asked)
+        version = self.store.memory_version()
+        if kept is not None and version is not None and kept[3] == version:
+            return kept[2]  # no entry changed since: the renewal judges the leases' liveness
         wanted = kept[0] if kept else [keys.engine(gid), *(keys.agent(gid, r) for r in ranks)]
         entries = self.store.peek(wanted)
         if entries is None:
             return None
         if kept is not None and all(a is b for a, b in zip(entries, kept[1], strict=True)):
+            memo[asked] = (wanted, entries, kept[2], version)
             return kept[2]
         leases = self._leases_in(entries, ranks, engine_id)
         if leases is not None:
-            _keep(memo, asked, (wanted, entries, leases))
+            _keep(memo, asked, (wanted, entries, leases, version))
         return leases
 
     def _leases_seen(self, gid: str, ranks: list[int], engine_id: str) -> dict[int, int] | None:

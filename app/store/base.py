@@ -166,6 +166,13 @@ class Store(ABC):
         memory and none has a change on its way (None: read them with :meth:`get`)."""
         return None
 
+    def memory_version(self) -> int | None:
+        """A number that changes with every change to the entries :meth:`peek` reads (a put,
+        a delete, a lease's end, a reload), so an equal number says a peek would find the same
+        entries, save those whose lease has ended since; None where :meth:`peek` cannot answer
+        now."""
+        return None
+
     @abstractmethod
     async def txn(self, compares: Sequence[Compare], ops: Sequence[Op]) -> TxnResult:
         """Apply ``ops`` atomically if every compare holds; else change nothing."""
