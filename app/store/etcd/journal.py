@@ -217,48 +217,6 @@ class Book:
         }
 
 
-class Landing:
-    """The renewals waiting for one journal write: each on a future of its own, all woken when
-    the write lands or fails, and failed together at the deadline the first of them set
-    (``TICK_S`` + the store's timeout: a write never made, etcd unreachable), so a renewal
-    costs no timer and no shield of its own (``wait_for`` did: as much CPU as the renewal's
-    other work). A renewal joining later waits at most as long as the first; one joining
-    after that deadline passed sets the next."""
-
-    def __init__(self) -> None:
-        self.waiters: list[asyncio.Future[int]] = []
-        self._timer: asyncio.TimerHandle | None = None
-
-    def wait(self, limit_s: float) -> asyncio.Future[int]:
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[int] = loop.create_future()
-        self.waiters.append(waiter)
-        if self._timer is None:
-            detail = (
-                f"the renewal journal wrote nothing within {limit_s:g} s: etcd is slow or "
-                "unreachable"
-            )
-            self._timer = loop.call_later(limit_s, self.fail, detail)
-        return waiter
-
-    def land(self, revision: int) -> None:
-        for waiter in self._taken():
-            waiter.set_result(revision)
-
-    def fail(self, detail: str) -> None:
-        for waiter in self._taken():
-            waiter.set_exception(Unavailable(detail))
-
-    def _taken(self) -> list[asyncio.Future[int]]:
-        """The renewals still waiting, taken from here; the deadline stopped (a renewal that
-        joins after this sets its own)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        waiting, self.waiters = self.waiters, []
-        return [waiter for waiter in waiting if not waiter.done()]
-
-
 class Journal:
     """This replica's journal: its writes, its presence, and its watch of every replica's."""
 
@@ -286,8 +244,8 @@ class Journal:
         self._progressed: asyncio.Future[None] | None = None
         self._nudge = asyncio.Event()
         self._wake = asyncio.Event()
-        self._next: Landing | None = None  # the renewals waiting for the next write
-        self._writing: tuple[float, Landing] | None = None  # the write under way: (began, ...)
+        self._next: asyncio.Future[int] | None = None  # the next write's revision
+        self._writing: tuple[float, asyncio.Future[int]] | None = None  # (began, revision)
         self._written = (float("-inf"), 0)  # the last write landed: (began, revision)
         self._tasks: list[asyncio.Task[None]] = []
         self.writes = 0
@@ -330,13 +288,19 @@ class Journal:
             return self._written[1]
         writing = self._writing
         if writing is not None and writing[0] >= arrived:
-            landing = writing[1]
+            done = writing[1]
         else:
             if self._next is None:
-                self._next = Landing()
-            landing = self._next
+                self._next = asyncio.get_running_loop().create_future()
+            done = self._next
             self._wake.set()
-        return await landing.wait(TICK_S + seconds)
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), TICK_S + seconds)
+        except TimeoutError:
+            raise Unavailable(
+                f"the renewal journal wrote nothing within {TICK_S + seconds:g} s: etcd is "
+                "slow or unreachable"
+            ) from None
 
     async def _writer(self) -> None:
         last = -TICK_S
@@ -377,22 +341,23 @@ class Journal:
 
     async def _write(self) -> None:
         leases, value = self.book.take()
-        landing = self._next or Landing()
+        done = self._next or asyncio.get_running_loop().create_future()
         self._next = None
         began = now()
-        self._writing = (began, landing)
+        self._writing = (began, done)
         try:
             revision = await self._put(value)
         except BaseException as exc:
             self.book.written(leases, None)
-            landing.fail(f"the renewal journal's write failed: {exc!r}")
+            done.set_exception(Unavailable(f"the renewal journal's write failed: {exc!r}"))
+            done.exception()  # retrieved: its waiters raise their own
             raise
         finally:
             self._writing = None
         self.writes += 1
         self._written = (began, revision)
         self.book.written(leases, revision)
-        landing.land(revision)
+        done.set_result(revision)
 
     async def _put(self, value: bytes) -> int:
         for _ in range(2):
