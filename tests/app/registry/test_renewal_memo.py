@@ -7,7 +7,8 @@ registry in this process."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -46,16 +47,25 @@ async def launched(registry: Registry, gid: str) -> str:
     return opened.engine_id
 
 
+@asynccontextmanager
+async def one_node(tmp_path: Path) -> AsyncIterator[tuple[CountedPeeks, Registry, str]]:
+    """A registry on a SQLite file, its group ``prefill-0`` launched: the store, the registry,
+    the engine id."""
+    store = CountedPeeks(tmp_path / "r.db")
+    registry = Registry(store)
+    await store.start()
+    try:
+        yield store, registry, await launched(registry, "prefill-0")
+    finally:
+        await store.close()
+
+
 def test_heartbeats_at_an_unchanged_memory_peek_once(tmp_path: Path) -> None:
     """20 heartbeats of a node with nothing written between them: one peek (20 before), every
     one renewed; a write anywhere in the store makes the next one peek again."""
 
     async def main() -> None:
-        store = CountedPeeks(tmp_path / "r.db")
-        registry = Registry(store)
-        await store.start()
-        try:
-            eid = await launched(registry, "prefill-0")
+        async with one_node(tmp_path) as (store, registry, eid):
             before = store.peeks
             for _ in range(20):
                 renewed = await registry.renew_agents("prefill-0", eid, RANKS)
@@ -66,8 +76,6 @@ def test_heartbeats_at_an_unchanged_memory_peek_once(tmp_path: Path) -> None:
             await registry.renew_agents("prefill-0", eid, RANKS)
             await registry.renew_agents("prefill-0", eid, RANKS)
             assert store.peeks - before == 1
-        finally:
-            await store.close()
 
     asyncio.run(main())
 
@@ -78,11 +86,7 @@ def test_a_kept_read_never_renews_what_a_fresh_read_refuses(tmp_path: Path) -> N
     renewed on its new lease, and a reload of the file (a failed commit) reads afresh."""
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "r.db")
-        registry = Registry(store)
-        await store.start()
-        try:
-            eid = await launched(registry, "prefill-0")
+        async with one_node(tmp_path) as (store, registry, eid):
             await registry.renew_agents("prefill-0", eid, RANKS)  # kept
             version = store.memory_version()
             (lease,) = {e.lease for e in store._kv.values() if e.lease is not None}
@@ -104,7 +108,5 @@ def test_a_kept_read_never_renews_what_a_fresh_read_refuses(tmp_path: Path) -> N
             assert store.memory_version() != version
             renewed = await registry.renew_agents("prefill-0", again, RANKS)
             assert [r for r, _ in renewed] == RANKS
-        finally:
-            await store.close()
 
     asyncio.run(main())
