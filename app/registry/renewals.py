@@ -129,7 +129,9 @@ class RenewalsMixin(RegistryBase):
         kept = memo.get(asked)
         version = self.store.memory_version()
         if kept is not None and version is not None and kept[3] == version:
-            return kept[2]  # no entry changed since: the renewal judges the leases' liveness
+            # No entry changed since; the renewal judges the agents' leases (the engine's entry
+            # has none: engines.py puts it without one).
+            return kept[2]
         wanted = kept[0] if kept else [keys.engine(gid), *(keys.agent(gid, r) for r in ranks)]
         entries = self.store.peek(wanted)
         if entries is None:
