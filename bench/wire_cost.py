@@ -16,8 +16,9 @@ round and the median. Nothing is asserted; ``--profile`` writes a cProfile of on
 
 The launch (each group's open, then its node's registration, one group at a time) is counted
 as CPU while the registry answers (the client's bodies are made outside those spans): per
-group, the event loop's thread and the whole process (the SQLite file's thread beside it);
-``--profile-launch`` writes a cProfile of those spans.
+group, the event loop's thread (and of it, the open's and the registration's) and the whole
+process (the SQLite file's thread beside it); ``--profile-launch`` writes a cProfile of those
+spans.
 
 ``--evict BYTES`` writes over a buffer of that size between two heartbeats (not timed), as the
 rest of a live machine does between two heartbeats 0.8 ms apart (the client, the kernel's
@@ -133,27 +134,31 @@ async def measure(
         engines: dict[str, str] = {}
         # The launch, one group at a time: CPU counted only while the registry answers (the
         # bodies are made outside), for the loop's thread and the whole process.
-        launch = {"thread": 0.0, "process": 0.0}
+        launch = {"thread": 0.0, "process": 0.0, "open": 0.0, "register": 0.0}
         launch_prof = cProfile.Profile() if launch_profile is not None else None
 
-        async def timed(data: bytes) -> bytes:
+        async def timed(data: bytes, step: str) -> bytes:
             thread, process = time.thread_time(), time.process_time()
             if launch_prof is not None:
                 launch_prof.enable()
             answer = await request(data)
             if launch_prof is not None:
                 launch_prof.disable()
-            launch["thread"] += time.thread_time() - thread
+            spent = time.thread_time() - thread
+            launch["thread"] += spent
+            launch[step] += spent
             launch["process"] += time.process_time() - process
             return answer
 
         for i, gid in enumerate(fleet.groups):
             role = "prefill" if gid.startswith("prefill") else "decode"
             body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
-            answer = await timed(RawPool.prepare("PUT", f"/tp-groups/{gid}/engine", body))
+            answer = await timed(RawPool.prepare("PUT", f"/tp-groups/{gid}/engine", body), "open")
             eid = json.loads(answer.partition(b"\r\n\r\n")[2])["engine_id"]
             agents = {"agents": fleet.agents(i, eid)}
-            answer = await timed(RawPool.prepare("PUT", f"/tp-groups/{gid}/engine/agents", agents))
+            answer = await timed(
+                RawPool.prepare("PUT", f"/tp-groups/{gid}/engine/agents", agents), "register"
+            )
             if not answer.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"registration refused: {answer[:300]!r}")
             engines[gid] = eid
@@ -199,6 +204,8 @@ async def measure(
         "heartbeat_cpu_us": {"best": round(rounds[0], 1), "median": round(rounds[ROUNDS // 2], 1)},
         "launch_cpu_ms_a_group": {
             "loop_thread": round(launch["thread"] / groups * 1e3, 3),
+            "loop_thread_open": round(launch["open"] / groups * 1e3, 3),
+            "loop_thread_register": round(launch["register"] / groups * 1e3, 3),
             "process": round(launch["process"] / groups * 1e3, 3),
         },
         "rounds": ROUNDS,
