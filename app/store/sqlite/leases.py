@@ -60,8 +60,9 @@ class LeasesMixin:
         ``sweep_interval_s`` (as etcd checkpoints keep-alives). After a crash a lease may end
         up to that much early: its rank's next heartbeat answers 404 and it registers again."""
         await self._usable()
+        judged_at = self._now()  # first: it credits any stall to the lease read below
         lease = self._leases.get(lease_id)
-        if lease is None or lease.expires_at <= self._now():  # judged at the arrival
+        if lease is None or lease.expires_at <= judged_at:  # judged at the arrival
             return None
         lease.expires_at, lease.grace = lease_clock.now() + lease.ttl_s, 0.0
         heapq.heappush(self._expiry, (lease.expires_at, lease_id))

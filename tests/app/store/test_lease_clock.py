@@ -130,3 +130,21 @@ def test_a_restart_is_a_stall(tmp_path: Path) -> None:
     expires_at = asyncio.run(second())
     assert expires_at is not None, "the lease lapsed while no registry served it"
     assert expires_at - now() == pytest.approx(left - 0.0, abs=1.0)
+
+
+def test_a_renewal_that_is_the_first_thing_after_a_stall_renews(tmp_path: Path) -> None:
+    """The renewal itself finds the stall (no tick nor read ran between): the lease is judged
+    with the stall credited, not with the expiry it had before (a heartbeat queued in a
+    SIGSTOPped registry under CPU load was refused 404 so, 3 runs in 12)."""
+
+    async def main() -> None:
+        store, lease_id = await _store_with_lease(tmp_path / "first.db")
+        try:
+            await asyncio.sleep(0.1)  # the loop's watch is running
+            store._leases[lease_id].expires_at = now() + 0.5
+            _stall_the_loop(CLOCK.stall_s + 0.5)  # past the lease's expiry
+            assert await store.refresh_lease(lease_id) is not None, "refused after a stall"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
