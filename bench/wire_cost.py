@@ -1,6 +1,8 @@
 """``python -m bench.wire_cost [--groups N] [--connections C] [--evict BYTES] [--profile OUT]
-[--profile-launch OUT]``: the CPU a node heartbeat and a group's launch cost on the registry's
-whole server path, in this process, without sockets.
+[--profile-launch OUT] [--in-flight K] [--store sqlite|etcd] [--etcd-members M]
+[--renew-window W]``: the CPU
+a node heartbeat and a group's launch cost on the registry's whole server path, in this
+process, without sockets (to the clients; etcd's are real).
 
 The registry's own app and server pieces (``create_app``, ``RegistryConfig``: uvicorn's
 protocol class with the wire path of app/server/bypass/wire.py, the lifespan with a real SQLite
@@ -12,7 +14,11 @@ bytes a client sends, its answer awaited in what the transport was given to writ
 transport keeps what is written: no syscall, no other process; so this is the Python work of
 a heartbeat (parsing, the wire path, the handler, the answer, the bookkeeping) with the SQLite
 file's thread beside it. Process CPU per heartbeat (the heartbeats' own, summed): the best
-round and the median. Nothing is asserted; ``--profile`` writes a cProfile of one more round.
+round and the median, and of it the event loop's thread. Nothing is asserted; ``--profile``
+writes a cProfile of one more round.
+``--in-flight K``: the heartbeats go K at a time, each on its own connection, the CPU counted
+per wave (on etcd with W > 0 an answer waits for the journal's tick, 20-50 ms: one at a time
+would measure the waits).
 
 The launch (each group's open, then its node's registration, one group at a time) is counted
 as CPU while the registry answers (the client's bodies are made outside those spans): per
@@ -24,13 +30,20 @@ spans.
 rest of a live machine does between two heartbeats 0.8 ms apart (the client, the kernel's
 network stack, other processes sharing the L3 cache): each heartbeat then starts with its code
 and data out of the caches. This machine's L2 is 1 MiB a core and its L3 32 MiB, shared.
+
+``--store etcd``: the same on a real etcd of ``--etcd-members`` (3) local members, started here
+with the fleet benchmark's settings, ``REGISTRY_ETCD_RENEW_WINDOW_S`` set to ``--renew-window``
+(0: every renewal reaches etcd). The process's CPU then includes its gRPC client's; etcd's own
+CPU is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
+import gc
 import json
 import os
 import random
@@ -38,6 +51,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,23 +95,59 @@ class KeptTransport(asyncio.Transport):
         pass
 
 
+@contextlib.contextmanager
+def _store_url(tmp: Path, store: str, members: int, renew_window_s: float) -> Iterator[str]:
+    """The store's URL: a SQLite file under ``tmp``, or a prefix on ``members`` real etcd
+    members started there (the fleet benchmark's settings) with the renewal window set."""
+    if store == "sqlite":
+        yield f"sqlite:///{tmp / 'registry.db'}"
+        return
+    from bench.fleet import ETCD_ENV
+    from harness.etcd import EtcdCluster, etcd_available
+
+    if not etcd_available():
+        raise SystemExit("--store etcd needs etcd (make system-deps: Debian's etcd-server)")
+    env = {**ETCD_ENV, "REGISTRY_ETCD_RENEW_WINDOW_S": str(renew_window_s)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with EtcdCluster(tmp / "etcd", size=members) as cluster:
+            yield cluster.url("wire-cost")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 async def measure(
     groups: int,
     connections: int,
     profile: Path | None,
     evict: int = 0,
     launch_profile: Path | None = None,
+    store: str = "sqlite",
+    members: int = 3,
+    renew_window_s: float = 0.0,
+    in_flight: int = 1,
 ) -> dict[str, Any]:
     from uvicorn.lifespan.on import LifespanOn
     from uvicorn.server import ServerState
 
     from app.main import create_app
-    from app.server.serve import RegistryConfig, uvicorn_options
+    from app.server.serve import GC_THRESHOLD, RegistryConfig, uvicorn_options
     from app.server.settings import Settings
+    from app.server.shedding import install
 
-    with tempfile.TemporaryDirectory(prefix="wire-cost-") as tmp:
-        settings = Settings(store=f"sqlite:///{Path(tmp) / 'registry.db'}")
+    with (
+        tempfile.TemporaryDirectory(prefix="wire-cost-") as tmp,
+        _store_url(Path(tmp), store, members, renew_window_s) as url,
+    ):
+        settings = Settings(store=url)
         app = create_app(settings)
+        gc.set_threshold(*GC_THRESHOLD)  # as ``serve`` does
+        install(app, settings)  # the lease clock (the etcd window) and shedding, as ``serve``
         config = RegistryConfig(
             app,
             tls=None,
@@ -110,7 +160,7 @@ async def measure(
         await lifespan.startup()
         state = ServerState()
         conns = []
-        for _ in range(connections):
+        for _ in range(max(connections, in_flight)):
             transport = KeptTransport()
             protocol = config.http_protocol_class(  # type: ignore[call-arg]
                 config=config, server_state=state, app_state=lifespan.state
@@ -119,16 +169,24 @@ async def measure(
             conns.append((protocol, transport))
         turn = 0
 
-        async def request(data: bytes) -> bytes:
+        async def request(data: bytes, on: int | None = None) -> bytes:
+            """``data``'s answer, on connection ``on`` (else the next in turn)."""
             nonlocal turn
-            protocol, transport = conns[turn % connections]
-            turn += 1
+            if on is None:
+                on, turn = turn % connections, turn + 1
+            protocol, transport = conns[on]
             protocol.data_received(data)
             await asyncio.wait_for(transport.written.wait(), ANSWER_S)
             transport.written.clear()
             answer = transport.out.pop()
             transport.out.clear()
             return answer
+
+        async def wave(data: list[bytes]) -> list[bytes]:
+            """Each of ``data`` on its own connection, at once (``in_flight`` at most)."""
+            if len(data) == 1:
+                return [await request(data[0])]
+            return list(await asyncio.gather(*(request(d, i) for i, d in enumerate(data))))
 
         fleet = Fleet(groups * TP, BLOB_BYTES, REGIONS)
         engines: dict[str, str] = {}
@@ -171,35 +229,46 @@ async def measure(
             )
             for g in (rng.choice(list(engines)) for _ in range(PER_ROUND))
         ]
-        for beat in beats[:1000]:  # warm up
-            await request(beat)
-        rounds = []
+        waves = [beats[i : i + in_flight] for i in range(0, PER_ROUND, in_flight)]
+        for w in waves[: max(1, len(waves) // 5)]:  # warm up
+            await wave(w)
+        rounds, loop_rounds = [], []
         buffer, fill = bytearray(evict), bytes(range(256)) * (evict // 256)
         for _ in range(ROUNDS):
-            spent = 0.0
-            for beat in beats:
+            spent = on_loop = 0.0
+            for w in waves:
                 if evict:
                     buffer[: len(fill)] = fill
-                started = time.process_time()
-                answer = await request(beat)
+                started, thread = time.process_time(), time.thread_time()
+                answers = await wave(w)
                 spent += time.process_time() - started
+                on_loop += time.thread_time() - thread
             rounds.append(spent / PER_ROUND * 1e6)
-        if not answer.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"heartbeat refused: {answer[:300]!r}")
+            loop_rounds.append(on_loop / PER_ROUND * 1e6)
+        refused = [a for a in answers if not a.startswith(b"HTTP/1.1 200")]
+        if refused:
+            raise RuntimeError(f"heartbeat refused: {refused[0][:300]!r}")
         if profile is not None:
             prof = cProfile.Profile()
             prof.enable()
-            for beat in beats:
-                await request(beat)
+            for w in waves:
+                await wave(w)
             prof.disable()
             prof.dump_stats(profile)
         await lifespan.shutdown()
     rounds.sort()
+    loop_rounds.sort()
     return {
+        "store": store if store == "sqlite" else f"etcd, {members} members, W {renew_window_s} s",
         "groups": groups,
         "connections": connections,
+        "in_flight": in_flight,
         "evict_bytes": evict,
         "heartbeat_cpu_us": {"best": round(rounds[0], 1), "median": round(rounds[ROUNDS // 2], 1)},
+        "heartbeat_loop_thread_us": {
+            "best": round(loop_rounds[0], 1),
+            "median": round(loop_rounds[ROUNDS // 2], 1),
+        },
         "launch_cpu_ms_a_group": {
             "loop_thread": round((launch["open"] + launch["register"]) / groups * 1e3, 3),
             "loop_thread_open": round(launch["open"] / groups * 1e3, 3),
@@ -218,12 +287,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evict", type=int, default=0, help="bytes written between heartbeats")
     parser.add_argument("--profile", type=Path, help="a cProfile of one more heartbeat round")
     parser.add_argument("--profile-launch", type=Path, help="a cProfile of the launch's answers")
+    parser.add_argument(
+        "--in-flight", type=int, default=1, help="heartbeats sent at once, each on a connection"
+    )
+    parser.add_argument("--store", choices=["sqlite", "etcd"], default="sqlite")
+    parser.add_argument("--etcd-members", type=int, default=3, help="etcd: its members")
+    parser.add_argument(
+        "--renew-window", type=float, default=0.0, help="etcd: REGISTRY_ETCD_RENEW_WINDOW_S"
+    )
     args = parser.parse_args(argv)
     import uvloop
 
     os.environ.setdefault("REGISTRY_LOG_LEVEL", "warning")
     out = uvloop.run(
-        measure(args.groups, args.connections, args.profile, args.evict, args.profile_launch)
+        measure(
+            args.groups,
+            args.connections,
+            args.profile,
+            args.evict,
+            args.profile_launch,
+            args.store,
+            args.etcd_members,
+            args.renew_window,
+            args.in_flight,
+        )
     )
     print(json.dumps(out))
     return 0
