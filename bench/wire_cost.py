@@ -102,23 +102,13 @@ def _store_url(tmp: Path, store: str, members: int, renew_window_s: float) -> It
     if store == "sqlite":
         yield f"sqlite:///{tmp / 'registry.db'}"
         return
-    from bench.fleet import ETCD_ENV
-    from harness.etcd import EtcdCluster, etcd_available
+    from bench.fleet import _etcd
+    from harness.etcd import etcd_available
 
     if not etcd_available():
         raise SystemExit("--store etcd needs etcd (make system-deps: Debian's etcd-server)")
-    env = {**ETCD_ENV, "REGISTRY_ETCD_RENEW_WINDOW_S": str(renew_window_s)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with EtcdCluster(tmp / "etcd", size=members) as cluster:
-            yield cluster.url("wire-cost")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with _etcd(tmp, members, {"REGISTRY_ETCD_RENEW_WINDOW_S": str(renew_window_s)}) as cluster:
+        yield cluster.url("wire-cost")
 
 
 async def measure(
