@@ -16,7 +16,6 @@ than that are told ``revision_compacted`` and relist.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import logging
@@ -25,6 +24,7 @@ import time
 from sortedcontainers import SortedList
 
 from app.core.schemas import Engine
+from app.core.tasks import stop
 from app.registry import keys
 from app.registry.records import Decoded, EngineRecord
 from app.registry.state import GroupState
@@ -125,9 +125,7 @@ class Feed:
         self.closing = True
         self._wake()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await stop(self._task)  # its store's stream never ends: a lost cancel is retried
 
     async def _load(self) -> None:
         snap = await self.store.entries(PREFIX)

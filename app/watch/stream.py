@@ -19,6 +19,7 @@ import contextlib
 from app.core.errors import RevisionCompacted, ShuttingDown, TooManyWatchers
 from app.core.metrics import Metrics
 from app.core.problems import error_line
+from app.core.tasks import stop
 from app.watch.feed import Feed
 from app.watch.history import Selector
 from app.watch.pages import refuse_ahead
@@ -169,9 +170,7 @@ class Watchers:
         self._end_all()
         for task in (self._drainer, self._monitor, self._broadcaster):
             if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await stop(task)  # the broadcaster loops on wait_for: a lost cancel is retried
 
     def added(self, stream: WatchStream) -> None:
         self.open.add(stream)
