@@ -292,16 +292,14 @@ def ceiling(ranks: int, quick: bool, kind: str = "raw") -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _etcd(tmp: Path, size: int = 3, env: dict[str, str] | None = None) -> Iterator[Any]:
-    """A real etcd of ``size`` members under ``tmp`` with a fleet's settings (``ETCD_ENV``),
-    ``env`` set in this process beside them while it runs."""
+def _etcd(tmp: Path, size: int = 3) -> Iterator[Any]:
+    """A real etcd of ``size`` members under ``tmp`` with a fleet's settings (``ETCD_ENV``)."""
     import os
 
     from harness.etcd import EtcdCluster
 
-    env = {**ETCD_ENV, **(env or {})}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    saved = {k: os.environ.get(k) for k in ETCD_ENV}
+    os.environ.update(ETCD_ENV)
     try:
         with EtcdCluster(tmp / "etcd", size=size) as cluster:
             yield cluster

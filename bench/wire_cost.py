@@ -1,8 +1,7 @@
 """``python -m bench.wire_cost [--groups N] [--connections C] [--evict BYTES] [--profile OUT]
 [--profile-launch OUT] [--in-flight K] [--store sqlite|etcd] [--etcd-members M]
-[--renew-window W]``: the CPU
-a node heartbeat and a group's launch cost on the registry's whole server path, in this
-process, without sockets (to the clients; etcd's are real).
+[--renew-window W]``: the CPU a node heartbeat and a group's launch cost on the registry's
+whole server path, in this process, without sockets (to the clients; etcd's are real).
 
 The registry's own app and server pieces (``create_app``, ``RegistryConfig``: uvicorn's
 protocol class with the wire path of app/server/bypass/wire.py, the lifespan with a real SQLite
@@ -32,9 +31,9 @@ network stack, other processes sharing the L3 cache): each heartbeat then starts
 and data out of the caches. This machine's L2 is 1 MiB a core and its L3 32 MiB, shared.
 
 ``--store etcd``: the same on a real etcd of ``--etcd-members`` (3) local members, started here
-with the fleet benchmark's settings, ``REGISTRY_ETCD_RENEW_WINDOW_S`` set to ``--renew-window``
-(0: every renewal reaches etcd). The process's CPU then includes its gRPC client's; etcd's own
-CPU is not counted.
+with the fleet benchmark's settings, the registry's ``etcd_renew_window_s``
+(``REGISTRY_ETCD_RENEW_WINDOW_S``) set to ``--renew-window`` (0: every renewal reaches etcd).
+The process's CPU then includes its gRPC client's; etcd's own CPU is not counted.
 """
 
 from __future__ import annotations
@@ -96,9 +95,9 @@ class KeptTransport(asyncio.Transport):
 
 
 @contextlib.contextmanager
-def _store_url(tmp: Path, store: str, members: int, renew_window_s: float) -> Iterator[str]:
+def _store_url(tmp: Path, store: str, members: int) -> Iterator[str]:
     """The store's URL: a SQLite file under ``tmp``, or a prefix on ``members`` real etcd
-    members started there (the fleet benchmark's settings) with the renewal window set."""
+    members started there (the fleet benchmark's settings)."""
     if store == "sqlite":
         yield f"sqlite:///{tmp / 'registry.db'}"
         return
@@ -107,7 +106,7 @@ def _store_url(tmp: Path, store: str, members: int, renew_window_s: float) -> It
 
     if not etcd_available():
         raise SystemExit("--store etcd needs etcd (make system-deps: Debian's etcd-server)")
-    with _etcd(tmp, members, {"REGISTRY_ETCD_RENEW_WINDOW_S": str(renew_window_s)}) as cluster:
+    with _etcd(tmp, members) as cluster:
         yield cluster.url("wire-cost")
 
 
@@ -132,9 +131,9 @@ async def measure(
 
     with (
         tempfile.TemporaryDirectory(prefix="wire-cost-") as tmp,
-        _store_url(Path(tmp), store, members, renew_window_s) as url,
+        _store_url(Path(tmp), store, members) as url,
     ):
-        settings = Settings(store=url)
+        settings = Settings(store=url, etcd_renew_window_s=renew_window_s)
         app = create_app(settings)
         gc.set_threshold(*GC_THRESHOLD)  # as ``serve`` does
         install(app, settings)  # the lease clock (the etcd window) and shedding, as ``serve``
