@@ -23,6 +23,13 @@ def _stall_the_loop(seconds: float) -> None:
     time.sleep(seconds)
 
 
+async def _stall_past_expiry(store: SqliteStore, lease_id: int, left_s: float) -> None:
+    """With the loop's watch running, leave the lease ``left_s`` and stall the loop past it."""
+    await asyncio.sleep(0.1)  # the loop's watch is running
+    store._leases[lease_id].expires_at = now() + left_s
+    _stall_the_loop(CLOCK.stall_s + 0.5)
+
+
 async def _store_with_lease(path: Path, ttl_s: int = 5) -> tuple[SqliteStore, int]:
     store = SqliteStore(path, sweep_interval_s=3600)  # sweeps only when the test asks
     await store.start()
@@ -62,9 +69,7 @@ def test_a_stall_of_the_loop_stops_the_leases_clock(tmp_path: Path) -> None:
     async def main() -> None:
         store, lease_id = await _store_with_lease(tmp_path / "s.db")
         try:
-            await asyncio.sleep(0.1)  # the loop's watch is running
-            store._leases[lease_id].expires_at = now() + 0.5
-            _stall_the_loop(CLOCK.stall_s + 0.5)  # past the lease's expiry
+            await _stall_past_expiry(store, lease_id, 0.5)
             assert await store.get("agent/0") is not None, "lapsed by the registry's stall"
             left = store._leases[lease_id].expires_at - now()
             assert 0.2 < left <= 0.5 + 0.05, left  # what it had left when the stall began
@@ -97,9 +102,7 @@ def test_the_grace_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     async def main() -> None:
         store, lease_id = await _store_with_lease(tmp_path / "b.db")
         try:
-            await asyncio.sleep(0.1)
-            store._leases[lease_id].expires_at = now() + 0.2
-            _stall_the_loop(CLOCK.stall_s + 0.5)  # longer than the lease left + the grace
+            await _stall_past_expiry(store, lease_id, 0.2)  # past the lease left + the grace
             assert await store.get("agent/0") is None
         finally:
             await store.close()
@@ -140,9 +143,7 @@ def test_a_renewal_that_is_the_first_thing_after_a_stall_renews(tmp_path: Path) 
     async def main() -> None:
         store, lease_id = await _store_with_lease(tmp_path / "first.db")
         try:
-            await asyncio.sleep(0.1)  # the loop's watch is running
-            store._leases[lease_id].expires_at = now() + 0.5
-            _stall_the_loop(CLOCK.stall_s + 0.5)  # past the lease's expiry
+            await _stall_past_expiry(store, lease_id, 0.5)
             assert await store.refresh_lease(lease_id) is not None, "refused after a stall"
         finally:
             await store.close()
