@@ -46,6 +46,7 @@ import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
+from app.core.tasks import stop
 from app.store.base import Compacted, KeyChange, Unavailable
 from app.store.etcd import watch as etcd_watch
 from app.store.lease_clock import now
@@ -264,9 +265,9 @@ class Journal:
         await self._new_presence()
         self._tasks = [asyncio.create_task(self._follow()), asyncio.create_task(self._writer())]
 
-    def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+    async def close(self) -> None:
+        """Its watch and writer ended (``stop``: the watch loops on ``wait_for``)."""
+        await asyncio.gather(*(stop(task) for task in self._tasks))
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
+from app.core.tasks import stop
 from app.store.etcd.journal import Journal
 from app.store.lease_clock import (
     ARRIVED,
@@ -110,9 +111,9 @@ class Reaper:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
+            await stop(self._task)
 
     def noted(self, lease_id: int, ttl_s: int, remaining_s: float, term: int) -> None:
         """This replica granted or renewed the lease (etcd at raft ``term``):

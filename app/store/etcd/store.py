@@ -39,6 +39,7 @@ import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
+from app.core.tasks import stop
 from app.store.base import (
     ChangeBatch,
     Compare,
@@ -578,12 +579,12 @@ class EtcdStore(Store):
         if self._closed:
             return
         self._closed = True
-        self.reaper.close()
-        if self._journal is not None:
-            self._journal.close()
-        for task in [self._prober, *(h.task for h in self._hubs.values())]:
-            if task is not None:
-                task.cancel()
+        tasks = [self._prober, *(h.task for h in self._hubs.values())]
+        await asyncio.gather(
+            self.reaper.close(),
+            *([self._journal.close()] if self._journal is not None else []),
+            *(stop(task) for task in tasks if task is not None),
+        )
         self._hubs.clear()
         for streams in list(self._keepalives.values()):
             streams.close()

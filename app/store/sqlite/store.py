@@ -313,6 +313,12 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        if self._dirty and self._loaded and self._failure is None:
+            # The renewals answered since the last sweep reach the file before it closes: a
+            # restart then credits its downtime from them, not from a second earlier.
+            written = self._persist(Change(self._revision, self._next_lease), ())
+            with contextlib.suppress(Unavailable, FileFailure, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(written), self._timeout_s)
         self._waiters.wake_all()
         self._history.wake()
         await self._thread.stop(self._timeout_s)

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -312,3 +313,44 @@ def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
         assert renewals <= 2, f"20 heartbeats sent {renewals:g} renewals to etcd"
         for i in range(5):  # rank 0 gone, its lease held on by rank 1
             refused_after_deregistration(http, f"dereg-{i}", i)
+
+
+@pytest.mark.usefixtures("window")
+def test_a_closed_store_s_journal_ends_though_its_watch_lost_a_cancellation(
+    etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's watch loops on ``wait_for``, which on Python 3.11 loses a cancellation
+    arriving with its result (``app/core/tasks.py``). Its stream made to lose the first one:
+    the store's close still ends the journal's tasks (it left the watch running before)."""
+    from app.store.etcd import journal as journal_module
+
+    real = journal_module.etcd_watch.follow
+    lost: list[bool] = []
+
+    async def lossy(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        stream = real(*args, **kwargs)
+        while True:
+            try:
+                batch = await anext(stream)
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost.append(True)
+                await asyncio.Event().wait()  # nothing comes: only a second cancel ends it
+            yield batch
+
+    monkeypatch.setattr(journal_module.etcd_watch, "follow", lossy)
+
+    async def body() -> list[asyncio.Task[None]]:
+        store = EtcdStore.from_url(etcd.url(uuid.uuid4().hex), timeout_s=5.0)
+        lease = await store.grant_lease(TTL_S)
+        assert await store.refresh_lease(lease.id) is not None
+        journal = store._journal
+        assert journal is not None
+        await asyncio.wait_for(store.close(), 10.0)
+        await asyncio.sleep(0.1)
+        return [t for t in journal._tasks if not t.done()]
+
+    running = asyncio.run(body())
+    assert lost, "the journal's watch was never cancelled while it waited"
+    assert not running, f"{len(running)} of the journal's tasks ran on after the store closed"

@@ -149,3 +149,38 @@ def test_a_renewal_that_is_the_first_thing_after_a_stall_renews(tmp_path: Path) 
             await store.close()
 
     asyncio.run(main())
+
+
+def test_a_renewal_answered_just_before_a_shutdown_outlives_the_restart(tmp_path: Path) -> None:
+    """A renewal is written with the next commit or sweep; one answered after the last of them
+    reaches the file as the store closes. Else the restart credited the downtime from the last
+    renewal on file, and the lease came back with what it had left then (3 s of 5 here)."""
+    path = tmp_path / "close.db"
+
+    async def first() -> float:
+        store = SqliteStore(path, sweep_interval_s=3600)  # no sweep writes the renewals
+        await store.start()
+        a, b = await store.grant_lease(5), await store.grant_lease(5)
+        assert (await store.txn([], [Put("a", b"x", a.id), Put("b", b"x", b.id)])).succeeded
+        await asyncio.sleep(2.0)
+        assert await store.refresh_lease(a.id) is not None
+        assert (await store.txn([], [Put("other", b"x")])).succeeded  # writes a's renewal
+        await asyncio.sleep(1.5)
+        assert await store.refresh_lease(b.id) is not None  # answered, on no commit yet
+        left = store._leases[b.id].expires_at - now()
+        await store.close()
+        return left
+
+    async def second() -> float:
+        store = SqliteStore(path, sweep_interval_s=3600)
+        await store.start()
+        try:
+            entry = await store.get("b")
+            assert entry is not None, "b's lease lapsed"
+            assert entry.lease is not None
+            return store._leases[entry.lease].expires_at - now()
+        finally:
+            await store.close()
+
+    left = asyncio.run(first())
+    assert asyncio.run(second()) == pytest.approx(left, abs=0.5), "b's renewal was lost"
