@@ -24,11 +24,11 @@ import time
 from sortedcontainers import SortedList
 
 from app.core.schemas import Engine
-from app.core.tasks import stop
 from app.registry import keys
 from app.registry.records import Decoded, EngineRecord
 from app.registry.state import GroupState
 from app.store import ChangeBatch, Compacted, Entry, Snapshot, Store, Unavailable
+from app.store.tasks import stop
 from app.watch.history import ENTRY_BYTES, EVENT_BASE_BYTES, ChangeLog, Group, GroupEvent
 from app.watch.rendered import Rendered
 from registry_client.backoff import Backoff

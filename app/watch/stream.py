@@ -19,7 +19,7 @@ import contextlib
 from app.core.errors import RevisionCompacted, ShuttingDown, TooManyWatchers
 from app.core.metrics import Metrics
 from app.core.problems import error_line
-from app.core.tasks import stop
+from app.store.tasks import stop
 from app.watch.feed import Feed
 from app.watch.history import Selector
 from app.watch.pages import refuse_ahead

@@ -46,10 +46,10 @@ import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from app.core.tasks import stop
 from app.store.base import Compacted, KeyChange, Unavailable
 from app.store.etcd import watch as etcd_watch
 from app.store.lease_clock import now
+from app.store.tasks import stop
 
 log = logging.getLogger("app.store")
 

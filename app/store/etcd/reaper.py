@@ -49,7 +49,6 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
-from app.core.tasks import stop
 from app.store.etcd.journal import Journal
 from app.store.lease_clock import (
     ARRIVED,
@@ -60,6 +59,7 @@ from app.store.lease_clock import (
     now,
     sweep_cutoff,
 )
+from app.store.tasks import stop
 
 log = logging.getLogger("app.store")
 

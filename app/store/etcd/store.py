@@ -39,7 +39,6 @@ import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from app.core.tasks import stop
 from app.store.base import (
     ChangeBatch,
     Compare,
@@ -63,6 +62,7 @@ from app.store.etcd.keepalive import KeepAlives, Renewed
 from app.store.etcd.reaper import Reaper, headroom, headroom_s, logical
 from app.store.etcd.state import LeaseBook, WatchHub
 from app.store.lease_clock import ARRIVED, CLOCK, now
+from app.store.tasks import stop
 
 log = logging.getLogger("app.store")
 

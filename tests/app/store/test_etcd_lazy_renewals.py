@@ -320,7 +320,7 @@ def test_a_closed_store_s_journal_ends_though_its_watch_lost_a_cancellation(
     etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The journal's watch loops on ``wait_for``, which on Python 3.11 loses a cancellation
-    arriving with its result (``app/core/tasks.py``). Its stream made to lose the first one:
+    arriving with its result (``app/store/tasks.py``). Its stream made to lose the first one:
     the store's close still ends the journal's tasks (it left the watch running before)."""
     from app.store.etcd import journal as journal_module
 

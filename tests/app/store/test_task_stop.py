@@ -1,4 +1,4 @@
-"""Ending a background task whose cancellation is lost (``app/core/tasks.py``): on Python 3.11
+"""Ending a background task whose cancellation is lost (``app/store/tasks.py``): on Python 3.11
 ``asyncio.wait_for`` loses a cancellation that arrives as its call completes, and the task goes
 on. ``stop`` cancels again until the task ends, within its deadline; the watch feed's close,
 on a real SQLite store whose stream loses one cancellation, ends (it waited forever before)."""
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from app.core.tasks import stop
 from app.store import Put, create_store
+from app.store.tasks import stop
 from harness.feeds import registry_with_feed
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(60)]
