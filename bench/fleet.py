@@ -1,5 +1,5 @@
-"""``python -m bench.fleet [--quick] [--ranks 1000,10000,100000] [--store sqlite,etcd]``: a whole
-fleet on one registry, measured at each size.
+"""``python -m bench.fleet [--quick] [--ranks 1000,10000,100000] [--store sqlite,etcd]
+[--regions R]``: a whole fleet on one registry, measured at each size.
 
 Per size (TP 8 groups, half prefill and half decode, ``bench/fleet_load.py``): the launch
 through the batched per-node routes (time until every rank is registered), then a steady
@@ -51,7 +51,14 @@ from workers.tools.procs import RegistryProcess, free_port
 # rank in vLLM 0.32 (one KV-cache tensor for all layers) and 80 with one tensor a layer: the
 # larger is used (docs/benchmarks.md has the derivation).
 REGIONS = 80
-BLOB_BYTES = 408 + 44 * REGIONS
+
+
+def blob_bytes(regions: int) -> int:
+    """NIXL's agent metadata for ``regions`` registered regions (``bench/blob_size.py``)."""
+    return 408 + 44 * regions
+
+
+BLOB_BYTES = blob_bytes(REGIONS)
 HANDSHAKES_PER_S = 20.0
 QUIET_WAIT_S = 180.0  # before each row: wait (this long at most) for other work to go idle
 # etcd as documented in docs/benchmarks.md: 8 GiB quota (etcd's suggested maximum), history
@@ -390,6 +397,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     return measure(sizes, ["sqlite", "etcd"], quick)
 
 
+def _set_regions(regions: int) -> None:
+    """Every row's ranks register ``regions`` regions (the blobs' size follows)."""
+    global REGIONS, BLOB_BYTES
+    REGIONS, BLOB_BYTES = regions, blob_bytes(regions)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, short windows")
@@ -409,7 +422,16 @@ def main(argv: list[str] | None = None) -> int:
         help="WARMUP,WINDOW seconds of the steady state (lazy etcd renewals settle after "
         "REGISTRY_ETCD_RENEW_WINDOW_S)",
     )
+    parser.add_argument(
+        "--regions",
+        type=int,
+        default=REGIONS,
+        help=f"NIXL regions a rank ({REGIONS}: a tensor a layer; vLLM 0.32 registers 1)",
+    )
     args = parser.parse_args(argv)
+    if args.regions < 1:
+        parser.error("--regions is at least 1")
+    _set_regions(args.regions)
     if args.hold:
         global HOLD
         warmup, window = (float(x) for x in args.hold.split(","))
