@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -25,6 +24,7 @@ from app.store import Lease, Put
 from app.store.lease_clock import CLOCK
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.server import RegistryProcess
+from tests.support.cancels import losing_first_cancel
 from tests.support.faults import node, node_beat, refused_after_deregistration
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(90)]
@@ -324,21 +324,8 @@ def test_a_closed_store_s_journal_ends_though_its_watch_lost_a_cancellation(
     the store's close still ends the journal's tasks (it left the watch running before)."""
     from app.store.etcd import journal as journal_module
 
-    real = journal_module.etcd_watch.follow
     lost: list[bool] = []
-
-    async def lossy(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        stream = real(*args, **kwargs)
-        while True:
-            try:
-                batch = await anext(stream)
-            except asyncio.CancelledError:
-                if lost:
-                    raise
-                lost.append(True)
-                await asyncio.Event().wait()  # nothing comes: only a second cancel ends it
-            yield batch
-
+    lossy = losing_first_cancel(journal_module.etcd_watch.follow, lost)
     monkeypatch.setattr(journal_module.etcd_watch, "follow", lossy)
 
     async def body() -> list[asyncio.Task[None]]:

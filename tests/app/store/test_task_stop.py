@@ -8,15 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from app.store import Put, create_store
 from app.store.tasks import stop
 from harness.feeds import registry_with_feed
+from tests.support.cancels import losing_first_cancel
 
 pytestmark = [pytest.mark.store, pytest.mark.timeout(60)]
 
@@ -87,24 +86,8 @@ def test_stop_gives_up_at_its_deadline_and_says_so(caplog: pytest.LogCaptureFixt
 
 def test_the_feed_closes_though_its_stream_lost_a_cancellation(tmp_path: Path) -> None:
     store = create_store(f"sqlite:///{tmp_path / 'r.db'}")
-    real = store.changes
     lost: list[bool] = []
-
-    async def lossy(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        """The store's stream, losing its first cancellation as 3.11's wait_for does: it goes
-        on waiting for the next change, which never comes."""
-        stream = real(*args, **kwargs)
-        while True:
-            try:
-                batch = await anext(stream)
-            except asyncio.CancelledError:
-                if lost:
-                    raise
-                lost.append(True)
-                await asyncio.Event().wait()  # no change comes: only a second cancel ends it
-            yield batch
-
-    store.changes = lossy  # type: ignore[method-assign]
+    store.changes = losing_first_cancel(store.changes, lost)  # type: ignore[method-assign]
 
     async def scenario() -> float:
         async with registry_with_feed(store) as (_, feed):
