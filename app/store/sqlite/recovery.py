@@ -20,6 +20,8 @@ from app.store.waiters import Waiters
 
 log = logging.getLogger("app.store")
 
+CLOSED = "The SQLite store is closed (the service is shutting down)."
+
 
 class RecoveryMixin:
     _thread: FileThread
@@ -102,7 +104,7 @@ class RecoveryMixin:
     async def _recover(self) -> None:
         """(Re)load memory from the file: at start, and after a failed commit."""
         if self._closed:
-            raise Unavailable("The SQLite store is closed (the service is shutting down).")
+            raise Unavailable(CLOSED)
         began = lease_clock.now()  # a request refused: refused since it asked
         async with self._recovering:
             if self._loaded and self._failure is None:
@@ -159,5 +161,7 @@ class RecoveryMixin:
             self._failure = failure
 
     async def _usable(self) -> None:
+        if self._closed:  # closing: nothing answered now could reach the file
+            raise Unavailable(CLOSED)
         if self._failure is not None or not self._loaded:
             await self._recover()

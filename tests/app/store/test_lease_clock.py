@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.store import Put
+from app.store import Put, Unavailable
 from app.store.lease_clock import ARRIVED, CLOCK, IN_FLIGHT, now
 from app.store.sqlite.store import SqliteStore
 
@@ -184,3 +184,17 @@ def test_a_renewal_answered_just_before_a_shutdown_outlives_the_restart(tmp_path
 
     left = asyncio.run(first())
     assert asyncio.run(second()) == pytest.approx(left, abs=0.5), "b's renewal was lost"
+
+
+def test_a_store_closing_refuses_renewals_it_could_no_longer_write(tmp_path: Path) -> None:
+    """Once the store closes, a renewal is refused (503, naming the shutdown): the renewals
+    written at close are all it answered (before, one arriving meanwhile renewed in memory and
+    was lost with it)."""
+
+    async def main() -> None:
+        store, lease_id = await _store_with_lease(tmp_path / "closing.db")
+        await store.close()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await store.refresh_lease(lease_id)
+
+    asyncio.run(main())
