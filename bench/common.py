@@ -170,6 +170,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def etcd_cpu_s(cluster: Any) -> float:
+    """User + system CPU seconds every member of an etcd cluster (``harness.etcd``) has used."""
+    return sum(cpu_seconds(member.proc.pid) for member in cluster.members)
+
+
 class Server(str):
     """A server's base URL that also carries its process id (for CPU accounting)."""
 

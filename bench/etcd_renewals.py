@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -33,19 +32,10 @@ from typing import Any
 from aetcd import rpc
 
 from app.store.etcd.store import EtcdStore
-from bench.common import say
+from bench.common import etcd_cpu_s, say
 from harness.etcd import EtcdCluster
 
 LEASES = 500
-
-
-def _etcd_cpu_s(cluster: EtcdCluster) -> float:
-    total = 0.0
-    for member in cluster.members:
-        assert member.proc is not None
-        fields = Path(f"/proc/{member.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 async def _stream_each(store: EtcdStore, lease_id: int) -> None:
@@ -88,14 +78,14 @@ async def _measure_batched(
     """As ``_measure``, with ``batch`` renewals a batch on one stream (batches in turn)."""
     picks = [leases[i % len(leases)] for i in range(n)]
     await one.renew_all(picks[:batch])  # warm
-    etcd0, cpu0, t0 = _etcd_cpu_s(cluster), time.process_time(), time.perf_counter()
+    etcd0, cpu0, t0 = etcd_cpu_s(cluster), time.process_time(), time.perf_counter()
     for at in range(0, n, batch):
         await one.renew_all(picks[at : at + batch])
     elapsed = time.perf_counter() - t0
     return {
         "in_flight": batch,
         "cpu_us": round(1e6 * (time.process_time() - cpu0) / n),
-        "etcd_cpu_us": round(1e6 * (_etcd_cpu_s(cluster) - etcd0) / n),
+        "etcd_cpu_us": round(1e6 * (etcd_cpu_s(cluster) - etcd0) / n),
         "per_s": round(n / elapsed),
     }
 
@@ -148,13 +138,13 @@ async def _measure(
             await renew(leases[i % len(leases)])
 
     await asyncio.gather(*(one(i) for i in range(min(n, 200))))  # warm: streams, connections
-    etcd0, cpu0, t0 = _etcd_cpu_s(cluster), time.process_time(), time.perf_counter()
+    etcd0, cpu0, t0 = etcd_cpu_s(cluster), time.process_time(), time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(n)))
     elapsed = time.perf_counter() - t0
     return {
         "in_flight": in_flight,
         "cpu_us": round(1e6 * (time.process_time() - cpu0) / n),
-        "etcd_cpu_us": round(1e6 * (_etcd_cpu_s(cluster) - etcd0) / n),
+        "etcd_cpu_us": round(1e6 * (etcd_cpu_s(cluster) - etcd0) / n),
         "per_s": round(n / elapsed),
     }
 

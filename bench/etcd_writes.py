@@ -39,8 +39,8 @@ from aetcd import rpc
 
 from app.registry import keys
 from app.registry.records import AgentRecord, trusted
-from app.store.etcd.journal import pack
-from bench.common import cpu_seconds, machine, say
+from app.store.etcd.journal import PREFIX, pack
+from bench.common import etcd_cpu_s, machine, say
 from bench.fleet import REGIONS, _etcd, blob_bytes
 from bench.fleet_load import TP, Fleet
 
@@ -49,17 +49,13 @@ IN_FLIGHT = 64
 JOURNAL_LEASES = 25  # leases a journal write carries at a fleet's pace (20-50 ms ticks)
 
 
-def _etcd_cpu_s(cluster: Any) -> float:
-    return sum(cpu_seconds(m.proc.pid) for m in cluster.members)
-
-
 async def _timed(
     cluster: Any, n: int, run: Callable[[], Awaitable[None]], what: str
 ) -> dict[str, float]:
     say(f"etcd_writes: {what}")
-    cpu0, t0 = _etcd_cpu_s(cluster), time.perf_counter()
+    cpu0, t0 = etcd_cpu_s(cluster), time.perf_counter()
     await run()
-    elapsed, cpu = time.perf_counter() - t0, _etcd_cpu_s(cluster) - cpu0
+    elapsed, cpu = time.perf_counter() - t0, etcd_cpu_s(cluster) - cpu0
     return {"n": n, "etcd_cpu_ms": round(1e3 * cpu / n, 3), "per_s": round(n / elapsed, 1)}
 
 
@@ -137,7 +133,9 @@ async def _kinds(
     async def registrations() -> None:
         for at in range(0, nodes, per_txn):
             nested = [rpc.RequestOp(request_txn=txn) for txn, _ in built[at : at + per_txn]]
-            await client.kvstub.Txn(rpc.TxnRequest(success=nested), timeout=60)
+            reply = await client.kvstub.Txn(rpc.TxnRequest(success=nested), timeout=60)
+            if not all(r.response_txn.succeeded for r in reply.responses):
+                raise RuntimeError("a registration's compares failed: nothing was written")
 
     row = await _timed(cluster, nodes, registrations, f"{nodes} registrations, {per_txn} a Txn")
     row["bytes_a_node"] = round(node_bytes)
@@ -146,7 +144,7 @@ async def _kinds(
 
     presence = await client.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=60), timeout=30)
     value = pack((lease, 30, 30.0, 180.0) for lease in leases[:JOURNAL_LEASES])
-    journal_key = (ROOT + "groups.\x7frenewed/bench").encode()
+    journal_key = (ROOT + PREFIX + "bench").encode()
     writes = max(200, nodes // 4)
 
     async def journal() -> None:

@@ -36,6 +36,7 @@ import httpx
 from bench.common import (
     HOST,
     cpu_seconds,
+    etcd_cpu_s,
     etcd_store_available,
     process,
     say,
@@ -89,7 +90,7 @@ def _etcd_load(cluster: Any) -> tuple[dict[str, float], float] | None:
     without etcd."""
     if cluster is None:
         return None
-    return _etcd_requests(cluster), sum(cpu_seconds(m.proc.pid) for m in cluster.members)
+    return _etcd_requests(cluster), etcd_cpu_s(cluster)
 
 
 def _sent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -178,9 +179,9 @@ def one_row(
     env = stream_env(ranks // TP) if renew == "stream" else {}
     idle_etcd = None
     if cluster is not None:  # etcd's own CPU with no registry on it (3 members' raft ticks)
-        before = sum(cpu_seconds(m.proc.pid) for m in cluster.members)
+        before = etcd_cpu_s(cluster)
         time.sleep(5.0)
-        idle_etcd = round((sum(cpu_seconds(m.proc.pid) for m in cluster.members) - before) / 5, 3)
+        idle_etcd = round((etcd_cpu_s(cluster) - before) / 5, 3)
     registry = RegistryProcess(store, host=HOST, log_path=log, env=env).start(timeout_s=60)
     marks: list[float] = []
     etcd_marks: list[tuple[dict[str, float], float]] = []

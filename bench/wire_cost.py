@@ -285,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
         "--renew-window", type=float, default=0.0, help="etcd: REGISTRY_ETCD_RENEW_WINDOW_S"
     )
     args = parser.parse_args(argv)
+    if args.in_flight < 1 or args.connections < 1 or args.etcd_members < 1:
+        parser.error("--in-flight, --connections and --etcd-members are at least 1")
     import uvloop
 
     os.environ.setdefault("REGISTRY_LOG_LEVEL", "warning")
