@@ -160,6 +160,11 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
             self._history.record(change, fut)
         return fut
 
+    def _write_renewals(self) -> asyncio.Future[None]:
+        """A commit of no new revision: the renewals made since the last write (``_persist``
+        adds them to any commit)."""
+        return self._persist(Change(self._revision, self._next_lease), ())
+
     # -- reads -------------------------------------------------------------------------------
 
     async def get(self, key: str, *, settled: bool = True) -> Entry | None:
@@ -245,7 +250,7 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
                 expired.append(lease_id)
         if not expired:
             if self._dirty:  # write the renewals of the last interval
-                self._persist(Change(self._revision, self._next_lease), ())
+                self._write_renewals()
             return 0
         expired = list(dict.fromkeys(expired))  # a renewed lease may be due twice in the heap
         gone = [self._kv[k] for i in expired if (ls := self._leases.get(i)) for k in ls.keys]
@@ -316,7 +321,7 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
         if self._dirty and self._loaded and self._failure is None:
             # The renewals answered since the last sweep reach the file before it closes: a
             # restart then credits its downtime from them, not from a second earlier.
-            written = self._persist(Change(self._revision, self._next_lease), ())
+            written = self._write_renewals()
             with contextlib.suppress(Unavailable, FileFailure, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(written), self._timeout_s)
         self._waiters.wake_all()
