@@ -148,22 +148,31 @@ async def measure(
         lifespan = LifespanOn(config)
         await lifespan.startup()
         state = ServerState()
-        conns = []
-        for _ in range(max(connections, in_flight)):
-            transport = KeptTransport()
-            protocol = config.http_protocol_class(  # type: ignore[call-arg]
-                config=config, server_state=state, app_state=lifespan.state
-            )
-            protocol.connection_made(transport)
-            conns.append((protocol, transport))
+        conns: list[tuple[Any, KeptTransport]] = []
+
+        def connect(count: int) -> None:
+            """``count`` fresh connections: the server closes one idle past its keep-alive
+            (5 s), so the heartbeats' are opened after the launch."""
+            conns.clear()
+            for _ in range(count):
+                transport = KeptTransport()
+                protocol = config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config, server_state=state, app_state=lifespan.state
+                )
+                protocol.connection_made(transport)
+                conns.append((protocol, transport))
+
+        connect(1)
         turn = 0
 
         async def request(data: bytes, on: int | None = None) -> bytes:
             """``data``'s answer, on connection ``on`` (else the next in turn)."""
             nonlocal turn
             if on is None:
-                on, turn = turn % connections, turn + 1
+                on, turn = turn % len(conns), turn + 1
             protocol, transport = conns[on]
+            if transport.closed:
+                raise RuntimeError(f"the server closed connection {on}")
             protocol.data_received(data)
             await asyncio.wait_for(transport.written.wait(), ANSWER_S)
             transport.written.clear()
@@ -209,6 +218,7 @@ async def measure(
             engines[gid] = eid
         if launch_prof is not None and launch_profile is not None:
             launch_prof.dump_stats(launch_profile)
+        connect(max(connections, in_flight))
         rng = random.Random(1)
         beats = [
             RawPool.prepare(
