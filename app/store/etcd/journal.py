@@ -16,7 +16,8 @@ as this replica knows it, would fall below the lease's new logical expiry + head
 - **A renewal's revision.** An in-memory renewal answers with the revision of the first
   journal write begun after the request arrived (``revision_after``): a write after the
   request, so a read at that revision is one made after it, as a renewal's revision on
-  etcd was. A renewal that did reach etcd answers with etcd's revision.
+  etcd was (``Lease.watched``: the registry's watch feed gets there without asking etcd for
+  progress). A renewal that did reach etcd answers with etcd's revision.
 - **Who ends a lease.** Its owner, at its logical expiry plus the stalls the owner credits
   (``reaper.py``); a replica that sees another's newer entry leaves the lease to it. When a
   replica's presence key is deleted (it died, or stopped past the headroom), the live
@@ -292,16 +293,31 @@ class Journal:
             done = writing[1]
         else:
             if self._next is None:
-                self._next = asyncio.get_running_loop().create_future()
+                self._next = self._due_within(TICK_S + seconds)
             done = self._next
             self._wake.set()
-        try:
-            return await asyncio.wait_for(asyncio.shield(done), TICK_S + seconds)
-        except TimeoutError:
-            raise Unavailable(
-                f"the renewal journal wrote nothing within {TICK_S + seconds:g} s: etcd is "
-                "slow or unreachable"
-            ) from None
+        return await asyncio.shield(done)
+
+    def _due_within(self, seconds: float) -> asyncio.Future[int]:
+        """The next write's revision, failed if no write landed within ``seconds``: one
+        deadline (a timer) for every renewal that waits for it, where each had its own, never
+        later than any waiter's own."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+
+        def overdue() -> None:
+            if not done.done():
+                done.set_exception(
+                    Unavailable(
+                        f"the renewal journal wrote nothing within {seconds:g} s: etcd is slow "
+                        "or unreachable"
+                    )
+                )
+                done.exception()  # retrieved: its waiters raise their own
+
+        timer = loop.call_later(seconds, overdue)
+        done.add_done_callback(lambda _: timer.cancel())
+        return done
 
     async def _writer(self) -> None:
         last = -TICK_S
@@ -350,15 +366,17 @@ class Journal:
             revision = await self._put(value)
         except BaseException as exc:
             self.book.written(leases, None)
-            done.set_exception(Unavailable(f"the renewal journal's write failed: {exc!r}"))
-            done.exception()  # retrieved: its waiters raise their own
+            if not done.done():  # (past its deadline it failed already)
+                done.set_exception(Unavailable(f"the renewal journal's write failed: {exc!r}"))
+                done.exception()  # retrieved: its waiters raise their own
             raise
         finally:
             self._writing = None
         self.writes += 1
         self._written = (began, revision)
         self.book.written(leases, revision)
-        done.set_result(revision)
+        if not done.done():
+            done.set_result(revision)
 
     async def _put(self, value: bytes) -> int:
         for _ in range(2):

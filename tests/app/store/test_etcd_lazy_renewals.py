@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.store import Lease, Put
+from app.store import Lease, Put, Unavailable
 from app.store.lease_clock import CLOCK
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.server import RegistryProcess
@@ -313,6 +313,47 @@ def test_a_registry_s_heartbeats_stay_in_memory_and_answer_as_before(
         assert renewals <= 2, f"20 heartbeats sent {renewals:g} renewals to etcd"
         for i in range(5):  # rank 0 gone, its lease held on by rank 1
             refused_after_deregistration(http, f"dereg-{i}", i)
+
+
+@pytest.mark.usefixtures("window")
+def test_renewals_waiting_for_a_journal_write_that_never_lands_fail_by_their_deadline(
+    etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's writes made to hang (etcd stuck): 20 renewals waiting for the next write
+    each fail, naming the cause, within the tick + the store's timeout (one deadline for all
+    of them, not a timer each), and a renewal after etcd answers again is written."""
+
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(uuid.uuid4().hex), timeout_s=1.0)
+        try:
+            lease = await store.grant_lease(TTL_S)
+            journal = store._journal
+            assert journal is not None
+            put = journal._put
+            stuck = asyncio.Event()
+
+            async def hung(value: bytes) -> int:
+                await stuck.wait()
+                return await put(value)
+
+            monkeypatch.setattr(journal, "_put", hung)
+            started = time.monotonic()
+            answers = await asyncio.gather(
+                *(store.refresh_lease(lease.id) for _ in range(20)), return_exceptions=True
+            )
+            waited = time.monotonic() - started
+            assert all(isinstance(a, Unavailable) for a in answers), answers
+            assert "wrote nothing within" in str(answers[0])
+            assert waited <= TICK_S + 1.0 + 0.5, f"the renewals waited {waited:.2f} s"
+            stuck.set()  # etcd answers again: the hung write lands, then the next one
+            monkeypatch.setattr(journal, "_put", put)
+            renewed = await asyncio.wait_for(store.refresh_lease(lease.id), 5.0)
+            assert renewed is not None
+            assert renewed.revision is not None
+        finally:
+            await store.close()
+
+    asyncio.run(body())
 
 
 @pytest.mark.usefixtures("window")
