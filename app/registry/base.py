@@ -54,8 +54,9 @@ class SeenGroups(Protocol):
         """Loaded, and following the store (not failed)."""
         ...
 
-    async def reached(self, revision: int, timeout_s: float) -> bool:
-        """True once ``progress >= revision`` (False: not within ``timeout_s``)."""
+    async def reached(self, revision: int, timeout_s: float, *, nudge: bool = True) -> bool:
+        """True once ``progress >= revision`` (False: not within ``timeout_s``); ``nudge``
+        False: a revision of a write the feed watches, reached without asking the store."""
         ...
 
     async def caught_up(self, timeout_s: float) -> int:

@@ -175,7 +175,8 @@ class RenewalsMixin(RegistryBase):
         if gone is not None or any(lease.revision is None for lease in renewed.values()):
             return None  # gone: the range read says why
         after = max(lease.revision or 0 for lease in renewed.values())
-        if not await self.seen.reached(after, SEEN_WAIT_S):
+        watched = all(lease.watched for lease in renewed.values())
+        if not await self.seen.reached(after, SEEN_WAIT_S, nudge=not watched):
             return None
         if self._leases_seen(gid, ranks, engine_id) != leases:
             return None

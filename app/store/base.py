@@ -90,6 +90,9 @@ class Lease:
     # A renewal's: the store revision at which it was applied, where the store says (etcd);
     # the state at any revision from it on is no older than the renewal.
     revision: int | None = None
+    # That revision is a write the registry's watch sees (the etcd renewal journal's): the
+    # watch reaches it without asking the store for its progress.
+    watched: bool = False
 
 
 @dataclass(frozen=True, slots=True)

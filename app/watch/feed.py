@@ -262,10 +262,11 @@ class Feed:
                 f"{self.failure or 'the store did not answer'}."
             ) from None
 
-    async def reached(self, revision: int, timeout_s: float) -> bool:
+    async def reached(self, revision: int, timeout_s: float, *, nudge: bool = True) -> bool:
         """Whether the feed has applied every change up to ``revision``, waiting at most
-        ``timeout_s`` for it (asking etcd for its progress once); a failing feed answers
-        False at once.
+        ``timeout_s`` for it (asking etcd for its progress once; ``nudge`` False: not, for a
+        revision that is a write the feed watches, which its stream delivers unasked); a
+        failing feed answers False at once.
 
         Each waiter is woken once, when the feed passes its revision (a heap by revision),
         not at every change: a node's heartbeat on etcd waits here, and at 100,000 ranks on
@@ -284,7 +285,8 @@ class Feed:
             heapq.heapify(self._due)
         heapq.heappush(self._due, (revision, next(self._due_order), waiter))
         self._waiting += 1
-        self._nudge.set()
+        if nudge:
+            self._nudge.set()
         timer = loop.call_later(timeout_s, _settle, waiter)
         try:
             await waiter

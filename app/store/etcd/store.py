@@ -336,7 +336,7 @@ class EtcdStore(Store):
                 self.reaper.noted(lease_id, known.ttl_s, float(known.ttl_s), 0)
                 self.reaper.start()
                 revision = await journal.revision_after(arrived, self._timeout_s)
-                return Lease(lease_id, known.ttl_s, float(known.ttl_s), revision)
+                return Lease(lease_id, known.ttl_s, float(known.ttl_s), revision, watched=True)
         at = now()
         renewed = await self._call("lease refresh", partial(self._keep_alive, lease_id))
         if renewed.ttl <= 0:  # etcd answers TTL 0 for a lease it no longer has

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 
 from app.core.errors import NotFound
 from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
+from app.store import ChangeBatch
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.feeds import registry_with_feed
 from harness.server import RegistryProcess
@@ -119,5 +120,52 @@ def test_a_feed_left_behind_sends_the_heartbeat_to_the_range_read(etcd: EtcdClus
             with pytest.raises(NotFound, match="rank 0"):
                 await registry.renew_agents("g", eid, [0, 1])
             assert [r for r, _ in await registry.renew_agents("g", eid, [1])] == [1]
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_heartbeat_renewed_in_memory_reaches_a_late_feed_without_asking_etcd(
+    etcd_single: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lazy renewals (``REGISTRY_ETCD_RENEW_WINDOW_S``): a heartbeat's renewal answers with the
+    journal write's revision, and that write is an event on the feed's own watch. A feed
+    behind it (each batch held 0.2 s here, as the feed lags in a launch) gets there unasked:
+    the heartbeats ask etcd for no progress report. Before, each waiting heartbeat asked for
+    one (a Watch message etcd answers): 6 heartbeats, 6 asks. An etcd of its own: its Watch
+    messages are this store's."""
+    from app.store.lease_clock import CLOCK
+
+    etcd = etcd_single
+    monkeypatch.setattr(CLOCK, "etcd_window_s", 20.0)
+
+    async def body() -> None:
+        store = EtcdStore.from_url(etcd.url(f"late-{uuid.uuid4().hex}"), timeout_s=5.0)
+        changes = store.changes
+
+        def late(*args: object, **kwargs: object) -> AsyncIterator[ChangeBatch]:
+            async def held() -> AsyncIterator[ChangeBatch]:
+                async for batch in changes(*args, **kwargs):  # type: ignore[arg-type]
+                    await asyncio.sleep(0.2)
+                    yield batch
+
+            return held()
+
+        monkeypatch.setattr(store, "changes", late)
+        async with registry_with_feed(store) as (registry, feed):
+            opened, _ = await registry.open_engine(
+                "g", OpenEngineRequest.model_validate(open_body(tp_size=TP))
+            )
+            eid = opened.engine_id
+            items = [{**agent_body(eid, r), "rank": r} for r in range(TP)]
+            await registry.register_agents(
+                "g", RegisterAgentsRequest.model_validate({"agents": items}), None
+            )
+            assert await feed.reached(await store.revision(), 5.0)
+            before = await asyncio.to_thread(etcd.metric, "grpc_server_msg_received_total", "Watch")
+            for _ in range(6):
+                renewed = await registry.renew_agents("g", eid, list(range(TP)))
+                assert [rank for rank, _ in renewed] == list(range(TP))
+            asks = await asyncio.to_thread(etcd.metric, "grpc_server_msg_received_total", "Watch")
+            assert asks - before <= 1, f"6 heartbeats sent {asks - before:g} Watch messages"
 
     asyncio.run(asyncio.wait_for(body(), 60))
