@@ -13,8 +13,10 @@ bytes a client sends, its answer awaited in what the transport was given to writ
 transport keeps what is written: no syscall, no other process; so this is the Python work of
 a heartbeat (parsing, the wire path, the handler, the answer, the bookkeeping) with the SQLite
 file's thread beside it. Process CPU per heartbeat (the heartbeats' own, summed): the best
-round and the median, and of it the event loop's thread. Nothing is asserted; ``--profile``
-writes a cProfile of one more round.
+round and the median, and of it the event loop's thread; the registry's CPU share while idle
+3 s before the rounds (its timers and watches, counted in the heartbeats' CPU as they run);
+and a round's heartbeats a second. Nothing is asserted; ``--profile`` writes a cProfile of
+one more round.
 ``--in-flight K``: the heartbeats go K at a time, each on its own connection, the CPU counted
 per wave (on etcd with W > 0 an answer waits for the journal's tick, 20-50 ms: one at a time
 would measure the waits).
