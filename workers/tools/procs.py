@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -31,10 +32,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now, for a child to bind later (``free_port_run``:
+    below the kernel's ephemeral range)."""
+    return free_port_run(1, host=host)
+
+
+def free_port_run(count: int, low: int = 20000, high: int = 32000, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports nothing listens on, below the kernel's
+    ephemeral range (32768 and up on Linux), where outgoing connections take no port. A port
+    the kernel picked there was free when picked, and a child binding it minutes later found
+    it taken as another process's connection's own (``Address already in use``: vLLM's NIXL
+    side channel, in two tier runs, whose decode then hung to its 600 s deadline). vLLM binds
+    DP rank r's side channel at base + r."""
+    for _ in range(200):
+        base = random.randrange(low, high - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports in {low}-{high} after 200 tries")
 
 
 def log_tail(path: Path | None, chars: int = 2000) -> str:

@@ -15,13 +15,8 @@ from typing import Any
 
 import httpx
 
-from workers.tools.procs import Proc, free_port
-from workers.tools.vllm_procs import (
-    KV_TRANSFER_CONFIG,
-    base_env,
-    free_port_run,
-    vllm_python,
-)
+from workers.tools.procs import Proc, free_port, free_port_run
+from workers.tools.vllm_procs import KV_TRANSFER_CONFIG, base_env, vllm_python
 
 
 @dataclass

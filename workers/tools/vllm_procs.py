@@ -4,9 +4,7 @@ environment vLLM needs on these CPU machines (docs/vllm-plugin.md)."""
 from __future__ import annotations
 
 import os
-import random
 import secrets
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +19,6 @@ KV_TRANSFER_CONFIG = {
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
 }
-
-
-def free_port_run(count: int, low: int = 20000, high: int = 32000) -> int:
-    """The first of `count` consecutive TCP ports nothing listens on, below the kernel's
-    ephemeral range (32768 and up on Linux), where outgoing connections take no port: vLLM
-    binds DP rank r's NIXL side channel at base + r, and a base+1 in the ephemeral range was
-    taken by another process's connection in one tier run (`Address already in use`)."""
-    for _ in range(200):
-        base = random.randrange(low, high - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports in {low}-{high} after 200 tries")
 
 
 def say(message: str) -> None:
