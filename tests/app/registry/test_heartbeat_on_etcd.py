@@ -6,6 +6,7 @@ calls etcd served are counted from etcd's own metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -15,6 +16,7 @@ import pytest
 from app.core.errors import NotFound
 from app.core.schemas import OpenEngineRequest, RegisterAgentsRequest
 from app.store import ChangeBatch
+from app.store.lease_clock import CLOCK
 from harness.etcd import SKIP_REASON, EtcdCluster, etcd_available
 from harness.feeds import registry_with_feed
 from harness.server import RegistryProcess
@@ -34,6 +36,7 @@ if not etcd_available():
 from app.store.etcd.store import EtcdStore  # noqa: E402
 
 TP = 8
+WATCH_MESSAGES = "grpc_server_msg_received_total"  # etcd's count of a method's messages
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +136,19 @@ def test_a_heartbeat_renewed_in_memory_reaches_a_late_feed_without_asking_etcd(
     the heartbeats ask etcd for no progress report. Before, each waiting heartbeat asked for
     one (a Watch message etcd answers): 6 heartbeats, 6 asks. An etcd of its own: its Watch
     messages are this store's."""
-    from app.store.lease_clock import CLOCK
-
-    etcd = etcd_single
     monkeypatch.setattr(CLOCK, "etcd_window_s", 20.0)
 
     async def body() -> None:
-        store = EtcdStore.from_url(etcd.url(f"late-{uuid.uuid4().hex}"), timeout_s=5.0)
+        store = EtcdStore.from_url(etcd_single.url(f"late-{uuid.uuid4().hex}"), timeout_s=5.0)
         changes = store.changes
 
         def late(*args: object, **kwargs: object) -> AsyncIterator[ChangeBatch]:
             async def held() -> AsyncIterator[ChangeBatch]:
-                async for batch in changes(*args, **kwargs):  # type: ignore[arg-type]
-                    await asyncio.sleep(0.2)
-                    yield batch
+                stream = changes(*args, **kwargs)  # type: ignore[arg-type]
+                async with contextlib.aclosing(stream):  # its watch ends with the feed's
+                    async for batch in stream:
+                        await asyncio.sleep(0.2)
+                        yield batch
 
             return held()
 
@@ -161,11 +163,11 @@ def test_a_heartbeat_renewed_in_memory_reaches_a_late_feed_without_asking_etcd(
                 "g", RegisterAgentsRequest.model_validate({"agents": items}), None
             )
             assert await feed.reached(await store.revision(), 5.0)
-            before = await asyncio.to_thread(etcd.metric, "grpc_server_msg_received_total", "Watch")
+            before = await asyncio.to_thread(etcd_single.metric, WATCH_MESSAGES, "Watch")
             for _ in range(6):
                 renewed = await registry.renew_agents("g", eid, list(range(TP)))
                 assert [rank for rank, _ in renewed] == list(range(TP))
-            asks = await asyncio.to_thread(etcd.metric, "grpc_server_msg_received_total", "Watch")
+            asks = await asyncio.to_thread(etcd_single.metric, WATCH_MESSAGES, "Watch")
             assert asks - before <= 1, f"6 heartbeats sent {asks - before:g} Watch messages"
 
     asyncio.run(asyncio.wait_for(body(), 60))
