@@ -39,11 +39,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def free_port_run(count: int, low: int = 20000, high: int = 32000, host: str = "127.0.0.1") -> int:
     """The first of ``count`` consecutive TCP ports nothing listens on, below the kernel's
-    ephemeral range (32768 and up on Linux), where outgoing connections take no port. A port
-    the kernel picked there was free when picked, and a child binding it minutes later found
-    it taken as another process's connection's own (``Address already in use``: vLLM's NIXL
-    side channel, in two tier runs, whose decode then hung to its 600 s deadline). vLLM binds
-    DP rank r's side channel at base + r."""
+    ephemeral range (32768 and up on Linux), where outgoing connections take no port: a port
+    picked in that range can become another connection's own before the child binds it
+    (``Address already in use``). vLLM binds DP rank r's NIXL side channel at base + r."""
     for _ in range(200):
         base = random.randrange(low, high - count)
         try:
