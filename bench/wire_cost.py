@@ -236,13 +236,13 @@ async def measure(
             await wave(w)
         # The registry's own work with no request (its store's timers and watches): counted in
         # each heartbeat's CPU for as long as the heartbeats run.
-        idle = time.process_time(), time.thread_time(), time.monotonic()
+        idle_process, idle_loop, idle_at = time.process_time(), time.thread_time(), time.monotonic()
         await asyncio.sleep(IDLE_S)
-        idle_s = time.monotonic() - idle[2]
-        idle_share = (
-            (time.process_time() - idle[0]) / idle_s,
-            (time.thread_time() - idle[1]) / idle_s,
-        )
+        idle_s = time.monotonic() - idle_at
+        idle_share = {
+            "process": round((time.process_time() - idle_process) / idle_s, 4),
+            "loop_thread": round((time.thread_time() - idle_loop) / idle_s, 4),
+        }
         rounds, loop_rounds, walls = [], [], []
         buffer, fill = bytearray(evict), bytes(range(256)) * (evict // 256)
         for _ in range(ROUNDS):
@@ -288,10 +288,7 @@ async def measure(
             "loop_thread_register": round(launch["register"] / groups * 1e3, 3),
             "process": round(launch["process"] / groups * 1e3, 3),
         },
-        "idle_cpu_share": {
-            "process": round(idle_share[0], 4),
-            "loop_thread": round(idle_share[1], 4),
-        },
+        "idle_cpu_share": idle_share,
         "heartbeats_a_second": round(PER_ROUND / sorted(walls)[ROUNDS // 2]),
         "rounds": ROUNDS,
         "per_round": PER_ROUND,
