@@ -44,3 +44,7 @@ def configure(level: str = "info") -> None:
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    # A keep-alive stream's per-connection lines (app/server/websocket.py): the access log
+    # has one line an upgrade, within its budget; these come back at debug.
+    quiet = logging.getLogger("uvicorn.error.websocket")
+    quiet.setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)

@@ -116,7 +116,10 @@ class ObserveMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            if scope["type"] == "websocket":
+                await self._upgrade(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
             return
         started = time.perf_counter()
         at = arrived(scope)
@@ -142,12 +145,38 @@ class ObserveMiddleware:
                 IN_FLIGHT.end(token)
             self.finish(scope, request_id, status, started)
 
-    def finish(self, scope: Scope, request_id: str, status: int, started: float) -> None:
+    async def _upgrade(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket upgrade (``GET /keepalive``) is a request answered once: counted and
+        logged as one when the app accepts it (101, the answer carrying ``X-Request-ID``) or
+        refuses it (its status; a close before the accept: 403, as uvicorn answers it). The
+        stream after it is not (it lasts as long as its node); uvicorn's own lines for it are
+        held at debug (``app.server.websocket``)."""
+        started = time.perf_counter()
+        request_id = request_id_of(scope)
+        answered = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal answered
+            if not answered:
+                kind = message["type"]
+                status = message["status"] if kind == DENIAL else UPGRADE_ANSWERS.get(kind)
+                if status is not None:
+                    answered = True
+                    if kind != "websocket.close":
+                        add_request_id(message, request_id)
+                    self.finish(scope, request_id, status, started, "GET")
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+    def finish(
+        self, scope: Scope, request_id: str, status: int, started: float, method: str = ""
+    ) -> None:
         """Count the answered request by route template, and log it within the budget."""
         elapsed = time.perf_counter() - started
         route = scope.get("route")
         template = getattr(route, "path", "unmatched")
-        method = scope["method"]
+        method = method or scope["method"]
         counter = self._counters.get((template, method, status))
         if counter is None:
             counter = self.metrics.requests.labels(template, method, str(status))
@@ -174,6 +203,12 @@ class ObserveMiddleware:
                     "user_agent": user_agent(scope),
                 },
             )
+
+
+# How a WebSocket upgrade is answered, by the app's first message that answers it (a denial
+# response carries its own status).
+UPGRADE_ANSWERS = {"websocket.accept": 101, "websocket.close": 403}
+DENIAL = "websocket.http.response.start"
 
 
 def user_agent(scope: Scope) -> str | None:

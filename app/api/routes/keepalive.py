@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.routing import WebSocketRoute
+from starlette.routing import Match, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 
 from app.core.errors import NotFound, Overloaded
@@ -236,4 +236,15 @@ class KeepAlive:
             await send({"type": "websocket.send", "text": answer.decode()})
 
 
-route = WebSocketRoute(PATH, KeepAlive(), name="keepalive")
+class KeepAliveRoute(WebSocketRoute):
+    """The route, named in the scope as FastAPI names its own (``scope["route"]``): the
+    upgrade's access line and ``registry_requests_total`` say ``/keepalive``."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        if match is Match.FULL:
+            child["route"] = self
+        return match, child
+
+
+route = KeepAliveRoute(PATH, KeepAlive(), name="keepalive")

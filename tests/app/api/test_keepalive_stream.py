@@ -27,6 +27,8 @@ from harness.server import RegistryProcess
 from tests.app.api.conftest import agent_body, new_gid, sqlite_url
 from tests.support.streams import renew_pipelined
 
+PATH = "/keepalive"
+
 pytestmark = [pytest.mark.api, pytest.mark.timeout(120)]
 
 WORKER = "ka-worker-token-5b1d0e7c"
@@ -264,3 +266,34 @@ def test_pipelined_renewals_are_answered_in_order_each_once(
         renew_pipelined(ws, group, engine_id, [[0], [1], [0, 1], None, [1], [0]])
         with pytest.raises(TimeoutError):
             ws.recv(timeout=0.5)  # nothing more
+
+
+def test_an_upgrade_is_one_access_line_and_one_count_and_no_per_connection_lines(
+    tmp_path: Path,
+) -> None:
+    """A stream's upgrade is a request: one access line (101, or the refusal's status) with
+    its request id, which the 101 carries, counted by route. uvicorn's and websockets' own
+    lines a stream ("connection open", "[accepted]", "connection closed") are not written."""
+    write_tokens(tmp_path / "tokens", TOKENS)
+    log = tmp_path / "log"
+    rid = f"ka-upgrade-{uuid.uuid4().hex[:12]}"
+    with RegistryProcess(
+        sqlite_url(tmp_path),
+        args=["--tokens-file", str(tmp_path / "tokens")],
+        env={"REGISTRY_ACCESS_LOG_RATE": "0"},  # every line: none left to the budget
+        log_path=log,
+    ) as server:
+        url = server.url.replace("http://", "ws://") + "/keepalive"
+        headers = bearer(WORKER) | {"X-Request-ID": rid}
+        with connect(url, additional_headers=headers, open_timeout=5, proxy=None) as ws:
+            assert ws.response.headers["X-Request-ID"] == rid
+        assert refused(server, WRONG)["status"] == 401
+        metrics = httpx.get(f"{server.url}/metrics", headers=bearer(READER), timeout=10).text
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    upgrades = [(e["status"], e["route"], e["method"]) for e in lines if e.get("path") == PATH]
+    assert upgrades == [(101, PATH, "GET"), (401, "unmatched", "GET")], upgrades
+    assert [e["request_id"] for e in lines if e.get("status") == 101] == [rid]
+    counted = f'registry_http_requests_total{{method="GET",route="{PATH}",status="101"}} 1.0'
+    assert counted in metrics.splitlines()
+    stray = [e["msg"] for e in lines if "WebSocket" in e["msg"] or "connection " in e["msg"]]
+    assert stray == [], stray
