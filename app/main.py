@@ -39,7 +39,9 @@ def create_app(settings: Settings | None = None, store: Store | None = None) -> 
     app.include_router(health.router)
     app.include_router(status_page.router)
     app.include_router(admin_router)
-    app.router.routes.append(keepalive.route)  # GET /keepalive: a WebSocket (renewals)
+    # GET /keepalive, a WebSocket (renewals), first: an upgrade is matched before FastAPI walks
+    # every included router's routes for it (the only other WebSocket scope is a 404).
+    app.router.routes.insert(0, keepalive.route)
     app.state.keepalive = keepalive.KeepAliveLimits(
         settings.keepalive_max, settings.keepalive_idle_s
     )
