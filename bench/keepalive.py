@@ -22,8 +22,10 @@ renewal answered, its system share (the syscalls) beside it; the client's (this 
 per renewal, and the ceiling it implies (renewals a second on one core). Rounds interleave
 the modes; each mode's median and its ratio to ``rest``'s are of the same run. The defaults
 are the 100,000-rank fleet's pace on a fiftieth of its nodes: 200 nodes renewing 1,250 times
-a second (12,500 nodes every 10 s), about a minute in all. Nothing is asserted; the JSON
-goes to ``bench/results/keepalive.json``.
+a second (12,500 nodes every 10 s), about a minute in all. Also the server's CPU a stream's
+open (the upgrade), each registry's nodes opening theirs one at a time (``open_server_us``;
+CPU ticks are 10 ms: 2,000 nodes or more). Nothing is asserted; the JSON goes to
+``bench/results/keepalive.json``.
 """
 
 from __future__ import annotations
@@ -161,6 +163,7 @@ class Target:
     bodies: list[bytes]
     messages: list[str]
     streams: list[ClientConnection]
+    open_us: float  # the server's CPU a stream's open (upgrade), the nodes' opened one at a time
 
     async def close(self) -> None:
         for ws in self.streams:
@@ -184,10 +187,12 @@ async def target(url: str, pid: int, nodes: int) -> Target:
         for gid in groups
     ]
     messages = [json.dumps([g, fleet.engines[g], list(range(TP))]) for g in groups]
+    opened = cpu_seconds(pid)
     streams: list[ClientConnection] = [
         await connect(f"ws://{HOST}:{port}/keepalive", compression=None, proxy=None) for _ in groups
     ]
-    return Target(pid, pool, bodies, messages, streams)
+    open_us = (cpu_seconds(pid) - opened) / len(groups) * 1e6
+    return Target(pid, pool, bodies, messages, streams, open_us)
 
 
 async def run(
@@ -209,7 +214,8 @@ async def run(
     for t in (now, old):
         if t is not None:
             await t.close()
-    return result | {"floor_answer_bytes": answer_bytes}
+    opens = {"now": round(now.open_us)} | ({"before": round(old.open_us)} if old else {})
+    return result | {"floor_answer_bytes": answer_bytes, "open_server_us": opens}
 
 
 def renewals(t: Target) -> dict[str, Renew]:
@@ -324,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{result['client_us_median'][mode]:6.1f} µs "
             f"(ceiling {1e6 / max(1.0, result['client_us_median'][mode]):,.0f}/s a core)"
         )
+    say(f"a stream's open: server {result['open_server_us']} µs (CPU ticks: --nodes 2000 or more)")
     say(f"wrote {path} (pid {os.getpid()})")
     return 0
 
