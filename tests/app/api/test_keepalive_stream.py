@@ -297,3 +297,17 @@ def test_an_upgrade_is_one_access_line_and_one_count_and_no_per_connection_lines
     assert counted in metrics.splitlines()
     stray = [e["msg"] for e in lines if "WebSocket" in e["msg"] or "connection " in e["msg"]]
     assert stray == [], stray
+
+
+def test_at_debug_the_per_connection_lines_come_back(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    env = {"REGISTRY_LOG_LEVEL": "debug"}
+    with (
+        RegistryProcess(sqlite_url(tmp_path), env=env, log_path=log) as server,
+        stream(server, None) as ws,
+    ):
+        ws.ping().wait(timeout=10)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    said = [e["msg"] for e in lines if e["logger"] == "uvicorn.error.websocket"]
+    assert "connection open" in said, said
+    assert any(m.endswith(f'"WebSocket {PATH}" [accepted]') for m in said), said
