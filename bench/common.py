@@ -170,6 +170,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def loop_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process's main thread (the registry's event loop)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_ticks() -> tuple[int, int]:
+    """The machine's busy and total CPU ticks so far, every core (``/proc/stat``)."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # less idle and iowait
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The machine's busy share of all its cores between two ``machine_ticks``."""
+    return round((after[0] - before[0]) / max(1, after[1] - before[1]), 3)
+
+
 def etcd_cpu_s(cluster: Any) -> float:
     """User + system CPU seconds every member of an etcd cluster (``harness.etcd``) has used."""
     return sum(cpu_seconds(member.proc.pid) for member in cluster.members)

@@ -8,11 +8,14 @@ with decode leaders planning against random prefill engines, then the reads an o
 makes (a page of 500 groups, the status page), then a restart of the registry on the same
 store (SIGTERM, start, until a group's engine and a heartbeat are answered again).
 
-Reported per row: ready time, the server's CPU in the steady state as a share of one core,
-p50/p99 of heartbeats and handshakes with the client's own lag and CPU beside them, the
-server's RSS, the store's size (SQLite: the file and its WAL; etcd: each member's database
-and the leases it holds), and the restart. The blobs are the size ``docs/benchmarks.md``
-derives for a 70B model at TP 8 (``REGIONS`` registered regions a rank, ``blob_bytes``).
+Reported per row: ready time, the server's CPU in the launch (seconds) and in the steady
+state (a share of one core), and of each its event loop's thread's (``server_loop_*``: near
+1, the loop is the limit); the launch's ``machine_busy_share`` of every core (near 1, the
+machine is); p50/p99 of heartbeats and handshakes with the client's own lag and CPU beside
+them, the server's RSS, the store's size (SQLite: the file and its WAL; etcd: each member's
+database and the leases it holds), and the restart. The blobs are the size
+``docs/benchmarks.md`` derives for a 70B model at TP 8 (``REGIONS`` registered regions a
+rank, ``blob_bytes``).
 The client's ceiling: the same steady state against ``bench.minimal raw`` (no work).
 Nothing is asserted; figures go to ``bench/results/fleet.json`` (``bench.run``) or stdout.
 """
@@ -35,9 +38,12 @@ import httpx
 
 from bench.common import (
     HOST,
+    busy_share,
     cpu_seconds,
     etcd_cpu_s,
     etcd_store_available,
+    loop_cpu_seconds,
+    machine_ticks,
     process,
     say,
     wait_http,
@@ -184,6 +190,7 @@ def one_row(
         idle_etcd = round((etcd_cpu_s(cluster) - before) / 5, 3)
     registry = RegistryProcess(store, host=HOST, log_path=log, env=env).start(timeout_s=60)
     marks: list[float] = []
+    loop_marks: list[float] = []
     etcd_marks: list[tuple[dict[str, float], float]] = []
     seen: dict[str, Any] = {}
 
@@ -199,13 +206,18 @@ def one_row(
     try:
         pid = registry.pid
         rss_empty = rss_mib(pid)
-        cpu0 = cpu_seconds(pid)
+        cpu0, loop0, ticks0 = cpu_seconds(pid), loop_cpu_seconds(pid), machine_ticks()
         etcd0 = _etcd_load(cluster)
 
         def on_ready() -> dict[str, Any]:
-            """The launch's cost: the registry's CPU, and etcd's (every member's CPU, the
-            requests it received by method)."""
-            figures: dict[str, Any] = {"server_cpu_s": round(cpu_seconds(pid) - cpu0, 2)}
+            """The launch's cost: the registry's CPU (of it, its event loop's thread), the
+            machine's busy share of its cores, and etcd's (every member's CPU, the requests
+            it received by method)."""
+            figures: dict[str, Any] = {
+                "server_cpu_s": round(cpu_seconds(pid) - cpu0, 2),
+                "server_loop_cpu_s": round(loop_cpu_seconds(pid) - loop0, 2),
+                "machine_busy_share": busy_share(ticks0, machine_ticks()),
+            }
             now = _etcd_load(cluster)
             if etcd0 is not None and now is not None:
                 (msgs0, ecpu0), (msgs1, ecpu1) = etcd0, now
@@ -217,6 +229,7 @@ def one_row(
             if start:
                 seen["rss_ready"] = rss_mib(pid)
             marks.append(cpu_seconds(pid))
+            loop_marks.append(loop_cpu_seconds(pid))
             load = _etcd_load(cluster)  # etcd's own: requests received, every member's CPU
             if load is not None:
                 etcd_marks.append(load)
@@ -238,7 +251,9 @@ def one_row(
         registry.stop()
     up, hold = out["launch"], out["steady"]
     up["server_cpu_s_to_window"] = round(marks[0] - cpu0, 2)
+    up["server_loop_share"] = round(up["server_loop_cpu_s"] / max(0.01, up["ready_s"]), 3)
     hold["server_core_share"] = round((marks[1] - marks[0]) / window, 3)
+    hold["server_loop_share"] = round((loop_marks[1] - loop_marks[0]) / window, 3)
     work = (hold["heartbeats_per_s"] + hold["handshakes_per_s"]) * window
     hold["server_cpu_us_per_request"] = round((marks[1] - marks[0]) / max(1, work) * 1e6)
     if etcd_marks:
