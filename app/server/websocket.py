@@ -15,7 +15,7 @@ protocol (`app.server.bypass.keepalive_wire`, a subclass) answers at most ``BATC
 
 uvicorn and websockets log three info lines a stream ("connection open", ``"WebSocket
 /keepalive" [accepted]``, "connection closed"), outside the access log's budget: 37,500 lines
-for a 12,500-node fleet's streams opening and closing, each about a tenth of an open's CPU.
+for a 12,500-node fleet's streams opening and closing, together a tenth of an open's CPU.
 Here they go to ``QUIET`` (``uvicorn.error.websocket``), which ``app.core.logs.configure``
 holds at warning unless the log level is debug; its errors still show. The upgrade's own line
 is the access log's (``ObserveMiddleware``: one a stream, within the budget).

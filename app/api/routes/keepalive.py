@@ -238,7 +238,7 @@ class KeepAlive:
 
 class KeepAliveRoute(WebSocketRoute):
     """The route, named in the scope as FastAPI names its own (``scope["route"]``): the
-    upgrade's access line and ``registry_requests_total`` say ``/keepalive``."""
+    upgrade's access line and ``registry_http_requests_total`` say ``/keepalive``."""
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         match, child = super().matches(scope)
