@@ -73,8 +73,9 @@ def describe(counts: Counter[str], per_minute: float = 0.0) -> str:
 
 
 def keepalive_renewals(url: str) -> int:
-    """Renewals the registry answered over keep-alive streams (``GET /keepalive``: not in its
-    access log; ``registry_keepalive_renewals_total{outcome="renewed"}``)."""
+    """Renewals the registry answered over keep-alive streams (``GET /keepalive``: its access
+    log has the upgrade, not the renewals; ``registry_keepalive_renewals_total{outcome=
+    "renewed"}``)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     found = re.search(r'^registry_keepalive_renewals_total\{outcome="renewed"\} (\S+)$', text, re.M)
     return int(float(found[1])) if found else 0
