@@ -164,27 +164,20 @@ def process(
             out.close()  # type: ignore[union-attr]
 
 
+def _stat_seconds(stat: Path) -> float:
+    """User + system CPU seconds in a ``/proc`` ``stat`` file (a process's or a thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process (all its threads) has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_seconds(Path(f"/proc/{pid}/stat"))
 
 
 def loop_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process's main thread (the registry's event loop)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_ticks() -> tuple[int, int]:
-    """The machine's busy and total CPU ticks so far, every core (``/proc/stat``)."""
-    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)  # less idle and iowait
-
-
-def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
-    """The machine's busy share of all its cores between two ``machine_ticks``."""
-    return round((after[0] - before[0]) / max(1, after[1] - before[1]), 3)
+    return _stat_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 def etcd_cpu_s(cluster: Any) -> float:
@@ -259,18 +252,24 @@ def peer(args: list[str], timeout_s: float = 120.0) -> Iterator[dict[str, Any]]:
             proc.wait(timeout=5)
 
 
-def _cpu_times() -> tuple[int, int]:
+def cpu_times() -> tuple[int, int]:
+    """The machine's CPU ticks so far, every core: all of them, and the idle ones (iowait
+    too), from ``/proc/stat``."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     return sum(fields), idle
 
 
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """Share of all cores busy between two ``cpu_times()`` (other tenants included)."""
+    return 1.0 - (after[1] - before[1]) / max(1, after[0] - before[0])
+
+
 def busy_fraction(interval_s: float = 1.0) -> float:
     """Share of all cores busy over ``interval_s`` (other tenants included)."""
-    t0, i0 = _cpu_times()
+    before = cpu_times()
     time.sleep(interval_s)
-    t1, i1 = _cpu_times()
-    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+    return busy_share(before, cpu_times())
 
 
 def wait_quiet(max_s: float, threshold: float = 0.15) -> float:

@@ -40,10 +40,10 @@ from bench.common import (
     HOST,
     busy_share,
     cpu_seconds,
+    cpu_times,
     etcd_cpu_s,
     etcd_store_available,
     loop_cpu_seconds,
-    machine_ticks,
     process,
     say,
     wait_http,
@@ -206,7 +206,7 @@ def one_row(
     try:
         pid = registry.pid
         rss_empty = rss_mib(pid)
-        cpu0, loop0, ticks0 = cpu_seconds(pid), loop_cpu_seconds(pid), machine_ticks()
+        cpu0, loop0, ticks0 = cpu_seconds(pid), loop_cpu_seconds(pid), cpu_times()
         etcd0 = _etcd_load(cluster)
 
         def on_ready() -> dict[str, Any]:
@@ -216,7 +216,7 @@ def one_row(
             figures: dict[str, Any] = {
                 "server_cpu_s": round(cpu_seconds(pid) - cpu0, 2),
                 "server_loop_cpu_s": round(loop_cpu_seconds(pid) - loop0, 2),
-                "machine_busy_share": busy_share(ticks0, machine_ticks()),
+                "machine_busy_share": round(busy_share(ticks0, cpu_times()), 3),
             }
             now = _etcd_load(cluster)
             if etcd0 is not None and now is not None:
