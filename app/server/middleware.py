@@ -115,11 +115,11 @@ class ObserveMiddleware:
         self._timers: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._upgrade(scope, receive, send)
+            return
         if scope["type"] != "http":
-            if scope["type"] == "websocket":
-                await self._upgrade(scope, receive, send)
-            else:
-                await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         started = time.perf_counter()
         at = arrived(scope)
@@ -164,19 +164,17 @@ class ObserveMiddleware:
                     answered = True
                     if kind != "websocket.close":
                         add_request_id(message, request_id)
-                    self.finish(scope, request_id, status, started, "GET")
+                    self.finish(scope, request_id, status, started)
             await send(message)
 
         await self.app(scope, receive, send_wrapper)
 
-    def finish(
-        self, scope: Scope, request_id: str, status: int, started: float, method: str = ""
-    ) -> None:
+    def finish(self, scope: Scope, request_id: str, status: int, started: float) -> None:
         """Count the answered request by route template, and log it within the budget."""
         elapsed = time.perf_counter() - started
         route = scope.get("route")
         template = getattr(route, "path", "unmatched")
-        method = method or scope["method"]
+        method = scope.get("method", "GET")  # a WebSocket scope has none: its upgrade is a GET
         counter = self._counters.get((template, method, status))
         if counter is None:
             counter = self.metrics.requests.labels(template, method, str(status))

@@ -68,7 +68,7 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def stream(server: RegistryProcess, token: str | None = WORKER) -> ClientConnection:
-    url = server.url.replace("http://", "ws://") + "/keepalive"
+    url = server.url.replace("http://", "ws://") + PATH
     headers = bearer(token) if token else {}
     return connect(  # as the lease keeper: no compression (a compressed frame is the route's)
         url,
@@ -283,7 +283,7 @@ def test_an_upgrade_is_one_access_line_and_one_count_and_no_per_connection_lines
         env={"REGISTRY_ACCESS_LOG_RATE": "0"},  # every line: none left to the budget
         log_path=log,
     ) as server:
-        url = server.url.replace("http://", "ws://") + "/keepalive"
+        url = server.url.replace("http://", "ws://") + PATH
         headers = bearer(WORKER) | {"X-Request-ID": rid}
         with connect(url, additional_headers=headers, open_timeout=5, proxy=None) as ws:
             assert ws.response.headers["X-Request-ID"] == rid
