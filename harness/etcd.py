@@ -1,7 +1,9 @@
 """Real etcd for tests: Debian's ``etcd`` binary on loopback, one member or a cluster.
 
-Each member has its own free ports and data directory and can be killed (SIGKILL) and
-restarted on the same data, so tests can take a cluster below quorum and back. Given a
+Each member has its own free ports and data directory (laid out again when another process
+took a port first: a member is healthy only once it holds its client port itself, not on
+another cluster's answer there), and can be killed (SIGKILL) and restarted on the same data,
+so tests can take a cluster below quorum and back. Given a
 :class:`~harness.pki.Pki` (certificates made at test time) the members serve TLS to
 clients only (``--client-cert-auth``); :meth:`EtcdCluster.enable_auth` turns on etcd's
 authentication with a user whose role covers one key prefix (``etcdctl``).
@@ -25,6 +27,7 @@ import httpx
 
 from harness.pki import Pki
 from harness.server import free_port
+from workers.tools.procs import listens_on
 
 ETCD_BIN = os.environ.get("ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
 ETCDCTL_BIN = shutil.which("etcdctl") or "/usr/bin/etcdctl"
@@ -142,7 +145,10 @@ class EtcdMember:
             answer = httpx.get(f"{self.client_url}/health", timeout=1.0, verify=verify)
         except httpx.HTTPError:
             return False
-        return answer.status_code == 200 and answer.json().get("health") == "true"
+        if answer.status_code != 200 or answer.json().get("health") != "true":
+            return False
+        # Another member on this port (it bound the port first): not ours, whatever it says.
+        return self.proc is not None and listens_on(self.proc.pid, self.client_port) is not False
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

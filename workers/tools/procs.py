@@ -4,8 +4,9 @@ child in its own process group logging to a file (vLLM nodes, torchrun launches,
 workers, whose lines it can also hand to a callback as they come).
 
 `RegistryProcess` starts `python -m app serve` on a port (a free loopback one unless given),
-waits for `/healthz` to answer 200 within a deadline (failing at once, with the log's tail,
-if the process exits first), and stops it: SIGTERM, then SIGKILL after a grace period. It
+waits for `/healthz` to answer 200 from the child itself (`listens_on`) within a deadline
+(failing at once, with the log's tail, if the process exits first; a picked port someone else
+took first is picked again), and stops it: SIGTERM, then SIGKILL after a grace period. It
 can be killed with any signal and started again on the same port and store (a restart).
 """
 
@@ -52,6 +53,72 @@ def free_port_run(count: int, low: int = 20000, high: int = 32000, host: str = "
             continue
         return base
     raise RuntimeError(f"no {count} consecutive free ports in {low}-{high} after 200 tries")
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` or one of its descendants holds the TCP socket listening on
+    ``port`` (in ``pid``'s network namespace); None where ``/proc`` cannot tell.
+
+    A port picked free can be bound by someone else before the child binds it: then the
+    child exits, but until it does, a readiness probe on the port gets the other server's
+    answer. Asking who holds the listener tells the two apart."""
+    try:
+        inodes = _listening_inodes(pid, port)
+        holders = _descendants(pid)
+        for holder in holders:
+            fds = Path(f"/proc/{holder}/fd")
+            with contextlib.suppress(OSError):
+                for fd in fds.iterdir():
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(fd)
+                        if link.startswith("socket:[") and int(link[8:-1]) in inodes:
+                            return True
+    except OSError:
+        return None
+    return False
+
+
+def _listening_inodes(pid: int, port: int) -> set[int]:
+    """The inodes of the TCP sockets listening on ``port`` in ``pid``'s network namespace."""
+    found: set[int] = set()
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.add(int(inode))
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from each process's parent in ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        here = todo.pop()
+        out.append(here)
+        todo.extend(children.get(here, []))
+    return out
+
+
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something binds ``port`` on ``host`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def log_tail(path: Path | None, chars: int = 2000) -> str:
@@ -184,6 +251,8 @@ class RegistryProcess:
         self.store = store
         self.host = host
         self.port = port or free_port(host)
+        self.picked = port is None  # ours to change if someone else binds it first
+        self.served = False  # answered /healthz once: a restart keeps its port
         self.args = list(args)
         self.env = dict(env or {})
         self.environ = dict(os.environ if environ is None else environ)
@@ -225,7 +294,22 @@ class RegistryProcess:
         ]
 
     def start(self, timeout_s: float = 60.0) -> Self:
-        """Start it and wait until ``/healthz`` answers 200, at most ``timeout_s``."""
+        """Start it and wait until ``/healthz`` answers 200, at most ``timeout_s``.
+
+        The answer counts only from the child itself (``listens_on``). A port this object
+        picked that someone else took before the child bound it is picked again, at most
+        twice, on the first start only (a restart keeps its port)."""
+        deadline = time.monotonic() + timeout_s
+        tries = 1
+        while self._launch(deadline, retry=tries < 3):
+            tries += 1
+            self.port = free_port(self.host)
+        self.served = True
+        return self
+
+    def _launch(self, deadline: float, retry: bool) -> bool:
+        """One launch; True when it should be tried again on another port: the child exited,
+        the port was picked here, it never served yet, and someone else holds the port."""
         env = {**self.environ, "PYTHONUNBUFFERED": "1", **self.env}
         cmd = self.command()
         self._close_log()
@@ -240,21 +324,21 @@ class RegistryProcess:
             stdin=subprocess.DEVNULL,
             start_new_session=self.new_session,
         )
-        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self._close_log()
+                if retry and not self.served and self.picked and port_taken(self.port, self.host):
+                    return True
                 raise RuntimeError(f"registry exited with {code}: {cmd}\n{log_tail(self.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
                 answer = httpx.get(f"{self.url}/healthz", timeout=1.0, verify=self.verify)
-                if answer.status_code == 200:
-                    return self
+                if answer.status_code == 200 and listens_on(self.proc.pid, self.port) is not False:
+                    return False
             time.sleep(self.poll_s)
         self.kill()
         raise TimeoutError(
-            f"registry did not serve /healthz within {timeout_s} s: {cmd}\n"
-            f"{log_tail(self.log_path)}"
+            f"registry did not serve /healthz in time: {cmd}\n{log_tail(self.log_path)}"
         )
 
     def _signal(self, sig: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from workers.tools.procs import Proc, free_port, log_tail
+from workers.tools.procs import Proc, free_port, listens_on, log_tail
 
 
 def _binary(name: str, pin: str) -> str:
@@ -51,6 +51,11 @@ class _Process:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
+
+    def ours(self, port: int) -> bool:
+        """Whether what answers on ``port`` is this child (``listens_on``): a picked port
+        someone else bound first answers too, until the child exits."""
+        return self.proc is not None and listens_on(self.proc.popen.pid, port) is not False
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -108,7 +113,9 @@ class VllmRouterProcess(_Process):
                 self.stop()
                 raise RuntimeError(f"vllm-router exited: {log_tail(self.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/liveness", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/liveness", timeout=1.0).status_code == 200 and self.ours(
+                    self.port
+                ):
                     return self
             time.sleep(0.1)
         self.stop()
@@ -171,7 +178,8 @@ class SmgProcess(_Process):
                 raise RuntimeError(f"smg exited: {log_tail(self.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
                 self.workers()
-                return self
+                if self.ours(self.port):
+                    return self
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"smg did not serve within {timeout_s} s")

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from workers.tools.procs import Proc, free_port, free_port_run
+from workers.tools.procs import Proc, free_port, free_port_run, listens_on
 from workers.tools.vllm_procs import KV_TRANSFER_CONFIG, base_env, vllm_python
 
 
@@ -165,7 +165,10 @@ class Instance:
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited early:\n{self.tails()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                ours = any(
+                    listens_on(proc.popen.pid, self.port) is not False for proc in self.procs
+                )
+                if ours and httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return time.monotonic() - self.started_at
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not healthy within {timeout_s} s:\n{self.tails()}")
