@@ -38,19 +38,48 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_port_run(1, host=host)
 
 
-def free_port_run(count: int, low: int = 20000, high: int = 32000, host: str = "127.0.0.1") -> int:
+PORTS = (20000, 32000)  # below the kernel's ephemeral range (32768 and up on Linux)
+SLICES = 4  # the range split between concurrent test processes: see port_slice
+RECENT_S = 120.0  # a port handed out is not handed out again by this process for this long
+_handed: dict[int, float] = {}
+
+
+def port_slice(low: int = PORTS[0], high: int = PORTS[1]) -> tuple[int, int]:
+    """This process's share of ``low``..``high``: ``make test`` runs two pytest-xdist workers
+    and the deploy tier at once, each picking ports for its children; in disjoint slices
+    (``PYTEST_XDIST_WORKER`` gw0 → 1, gw1 → 2, none → 0) no two of them can pick one port
+    before either child binds it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    width = (high - low) // SLICES
+    first = low + (index % SLICES) * width
+    return first, first + width
+
+
+def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     """The first of ``count`` consecutive TCP ports nothing listens on, below the kernel's
-    ephemeral range (32768 and up on Linux), where outgoing connections take no port: a port
-    picked in that range can become another connection's own before the child binds it
-    (``Address already in use``). vLLM binds DP rank r's NIXL side channel at base + r."""
+    ephemeral range, where outgoing connections take no port: a port picked in that range
+    can become another connection's own before the child binds it (``Address already in
+    use``). vLLM binds DP rank r's NIXL side channel at base + r. Picked in this process's
+    slice (``port_slice``) and never one this process handed out in the last ``RECENT_S``
+    (its child may not have bound it yet)."""
+    low, high = port_slice()
+    at = time.monotonic()
+    for port, when in list(_handed.items()):
+        if at - when > RECENT_S:
+            _handed.pop(port, None)
     for _ in range(200):
         base = random.randrange(low, high - count)
+        chosen = range(base, base + count)
+        if any(port in _handed for port in chosen):
+            continue
         try:
-            for port in range(base, base + count):
+            for port in chosen:
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                     s.bind((host, port))
         except OSError:
             continue
+        _handed.update(dict.fromkeys(chosen, at))
         return base
     raise RuntimeError(f"no {count} consecutive free ports in {low}-{high} after 200 tries")
 
