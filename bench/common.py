@@ -192,9 +192,12 @@ class Server(str):
 
 
 @contextlib.contextmanager
-def registry_server(store: str, *, log: Path | None = None) -> Iterator[Server]:
-    """``python -m app serve`` on a free loopback port with its default settings."""
-    registry = RegistryProcess(store, host=HOST, log_path=log).start(timeout_s=30.0)
+def registry_server(
+    store: str, *, log: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """``python -m app serve`` on a free loopback port with its default settings, save
+    ``env``'s ``REGISTRY_*`` variables."""
+    registry = RegistryProcess(store, host=HOST, log_path=log, env=env).start(timeout_s=30.0)
     try:
         url = Server(registry.url)
         url.pid = registry.pid

@@ -3,7 +3,9 @@ registry's CPU per node renewal over the REST batch heartbeat and over the keep-
 (``GET /keepalive``), at the same renewal rate, in the same run.
 
 One SQLite registry process (its default settings) on loopback; ``--nodes`` TP 8 groups opened
-and registered (``bench/fleet_load.py``'s bodies). Then, for ``--rounds`` rounds, each mode for
+and registered (``bench/fleet_load.py``'s bodies, on a lease of ``SETUP_TTL_S``: a large fleet's
+set-up outlasts 30 s), and the registry let settle (under 5% of a core). Then, for ``--rounds``
+rounds, each mode for
 ``--seconds``, every node renewing its 8 ranks at ``--rate / --nodes`` a second, staggered:
 
 - ``rest``: ``POST /tp-groups/{g}/engine/agents/heartbeat``, one kept-alive connection a node
@@ -14,7 +16,8 @@ and registered (``bench/fleet_load.py``'s bodies). Then, for ``--rounds`` rounds
 - ``floor``: the same messages over one WebSocket a node to ``bench.ws_floor``, a process on
   the registry's loop (uvloop) that only unmasks each frame and writes a fixed frame as long as
   the registry's renewal answer (measured first): "read a frame, write a frame" at one message
-  a wakeup, the framework's own floor for this pace.
+  a wakeup, the framework's own floor for this pace (its process and connections only when
+  ``--modes`` names it).
 
 The server's CPU (user + system, all its threads, from ``/proc/<pid>/stat``: the registry's,
 the floor process's for ``floor``) over each window, less its idle rate (measured first), per
@@ -56,7 +59,7 @@ from bench.common import (
     summary_ms,
     write_result,
 )
-from bench.fleet import BLOB_BYTES, REGIONS
+from bench.fleet import BLOB_BYTES, REGIONS, stream_env
 from bench.fleet_load import TP, Fleet
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
@@ -65,6 +68,7 @@ from workers.tools.procs import RegistryProcess
 
 MODES = ("rest", "stream", "stream-422", "floor")
 IDLE_S = 2.0
+SETUP_TTL_S = 3600
 Renew = Callable[[int], Awaitable[bool]]  # node index -> whether the answer was a renewal
 
 
@@ -95,7 +99,9 @@ async def launch(pool: RawPool, fleet: Fleet) -> None:
             if status not in (200, 201):
                 raise RuntimeError(f"open {gid}: {status} {answer}")
             eid = answer["engine_id"]
-            agents = {"agents": fleet.agents(index, eid)}
+            # A lease that outlives the set-up: at 12,500 nodes, launching and opening take
+            # longer than the fleet's 30 s (what a renewal costs does not depend on it).
+            agents = {"agents": [a | {"ttl_s": SETUP_TTL_S} for a in fleet.agents(index, eid)]}
             status, answer = await pool.request("PUT", f"/tp-groups/{gid}/engine/agents", agents)
             if status != 200:
                 raise RuntimeError(f"register {gid}: {status} {answer}")
@@ -146,10 +152,21 @@ async def measure(
     }
 
 
-async def idle_rates(pids: list[int]) -> list[float]:
-    """Each process's CPU share of a core over ``IDLE_S`` of nothing asked."""
+async def settle(pid: int, quiet: float = 0.05, limit_s: float = 60.0) -> None:
+    """Wait until the registry's CPU over a second is under ``quiet`` of a core (a large
+    fleet's set-up leaves a checkpoint and a collection behind), at most ``limit_s``."""
+    deadline, rate = time.monotonic() + limit_s, 1.0
+    while time.monotonic() < deadline:
+        (rate,) = await idle_rates([pid], 1.0)
+        if rate < quiet:
+            return
+    say(f"the registry still used {rate:.0%} of a core after {limit_s:g} s: measuring anyway")
+
+
+async def idle_rates(pids: list[int], seconds: float = IDLE_S) -> list[float]:
+    """Each process's CPU share of a core over ``seconds`` of nothing asked."""
     before, wall0 = [cpu_seconds(p) for p in pids], time.monotonic()
-    await asyncio.sleep(IDLE_S)
+    await asyncio.sleep(seconds)
     wall = time.monotonic() - wall0
     return [(cpu_seconds(p) - b) / wall for p, b in zip(pids, before, strict=True)]
 
@@ -202,15 +219,18 @@ async def run(
     old = await target(*before, args.nodes) if before is not None else None
     await now.streams[0].send(now.messages[0])
     answer_bytes = len(await now.streams[0].recv(decode=False))  # the floor answers as long
-    floor_port = free_port()
-    with floor_server(floor_port, answer_bytes) as floor_pid:
-        floors = [
-            await connect(f"ws://{HOST}:{floor_port}/", compression=None, proxy=None)
-            for _ in now.messages
-        ]
-        result = await rounds(now, old, floor_pid, floors, args)
-        for ws in floors:
-            await ws.close()
+    if "floor" not in args.modes:  # no floor process, no second connection a node
+        result = await rounds(now, old, None, [], args)
+    else:
+        floor_port = free_port()
+        with floor_server(floor_port, answer_bytes) as floor_pid:
+            floors = [
+                await connect(f"ws://{HOST}:{floor_port}/", compression=None, proxy=None)
+                for _ in now.messages
+            ]
+            result = await rounds(now, old, floor_pid, floors, args)
+            for ws in floors:
+                await ws.close()
     for t in (now, old):
         if t is not None:
             await t.close()
@@ -239,7 +259,7 @@ def renewals(t: Target) -> dict[str, Renew]:
 async def rounds(
     now: Target,
     old: Target | None,
-    floor_pid: int,
+    floor_pid: int | None,
     floors: list[ClientConnection],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
@@ -250,12 +270,14 @@ async def rounds(
         return len(await floors[i].recv(decode=False)) > 0
 
     modes: list[str] = list(args.modes)
-    await asyncio.sleep(1.0)
-    pids = [now.pid, floor_pid] + ([old.pid] if old is not None else [])
+    await settle(now.pid)
+    pids = [now.pid] + [p for p in (floor_pid,) if p is not None]
+    pids += [old.pid] if old is not None else []
     idle = dict(zip(pids, await idle_rates(pids), strict=True))
     say("idle: " + ", ".join(f"pid {p} {r * 100:.1f}%" for p, r in idle.items()) + " of a core")
     server: dict[str, tuple[int, Renew]] = {m: (now.pid, r) for m, r in renewals(now).items()}
-    server["floor"] = (floor_pid, floor)
+    if floor_pid is not None:
+        server["floor"] = (floor_pid, floor)
     if old is not None:  # the stream's modes on the registry of --before, interleaved
         modes += [f"{m}-before" for m in modes if m.startswith("stream")]
         server |= {f"{m}-before": (old.pid, r) for m, r in renewals(old).items()}
@@ -274,7 +296,7 @@ async def rounds(
         "seconds": args.seconds,
         "modes": modes,
         "idle_core_share": round(idle[now.pid], 4),
-        "floor_idle_core_share": round(idle[floor_pid], 4),
+        "floor_idle_core_share": round(idle[floor_pid], 4) if floor_pid else None,
         "rounds": seen,
         "server_us_median": mid,
         "client_us_median": {m: statistics.median(r["client_us"] for r in seen[m]) for m in modes},
@@ -307,13 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--modes: {unknown or 'none'} not of {','.join(MODES)}")
     with tempfile.TemporaryDirectory(prefix="bench-keepalive-") as tmp, ExitStack() as stack:
         store = f"sqlite:///{Path(tmp) / 'registry.db'}"
-        url = stack.enter_context(registry_server(store, log=Path(tmp) / "registry.log"))
+        sized = stream_env(args.nodes)  # past 4,096 nodes the defaults refuse streams 503
+        url = stack.enter_context(registry_server(store, log=Path(tmp) / "registry.log", env=sized))
         before = None
         if args.before is not None:
             old = RegistryProcess(
                 f"sqlite:///{Path(tmp) / 'before.db'}",
                 host=HOST,
                 log_path=Path(tmp) / "before.log",
+                env=sized,
                 cwd=args.before.resolve(),
             ).start(timeout_s=30.0)
             stack.callback(old.stop)
