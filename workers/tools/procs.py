@@ -330,13 +330,13 @@ class RegistryProcess:
         twice, on the first start only (a restart keeps its port)."""
         deadline = time.monotonic() + timeout_s
         tries = 1
-        while self._launch(deadline, retry=tries < 3):
+        while self._launch(deadline, timeout_s, retry=tries < 3):
             tries += 1
             self.port = free_port(self.host)
         self.served = True
         return self
 
-    def _launch(self, deadline: float, retry: bool) -> bool:
+    def _launch(self, deadline: float, timeout_s: float, retry: bool) -> bool:
         """One launch; True when it should be tried again on another port: the child exited,
         the port was picked here, it never served yet, and someone else holds the port."""
         env = {**self.environ, "PYTHONUNBUFFERED": "1", **self.env}
@@ -367,7 +367,8 @@ class RegistryProcess:
             time.sleep(self.poll_s)
         self.kill()
         raise TimeoutError(
-            f"registry did not serve /healthz in time: {cmd}\n{log_tail(self.log_path)}"
+            f"registry did not serve /healthz within {timeout_s} s: {cmd}\n"
+            f"{log_tail(self.log_path)}"
         )
 
     def _signal(self, sig: int) -> None:

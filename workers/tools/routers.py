@@ -113,9 +113,8 @@ class VllmRouterProcess(_Process):
                 self.stop()
                 raise RuntimeError(f"vllm-router exited: {log_tail(self.log_path)}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/liveness", timeout=1.0).status_code == 200 and self.ours(
-                    self.port
-                ):
+                answer = httpx.get(f"{self.url}/liveness", timeout=1.0)
+                if answer.status_code == 200 and self.ours(self.port):
                     return self
             time.sleep(0.1)
         self.stop()
