@@ -164,20 +164,26 @@ def process(
             out.close()  # type: ignore[union-attr]
 
 
-def _stat_seconds(stat: Path) -> float:
-    """User + system CPU seconds in a ``/proc`` ``stat`` file (a process's or a thread's)."""
+def _stat_split(stat: Path) -> tuple[float, float]:
+    """User and system CPU seconds in a ``/proc`` ``stat`` file (a process's or a thread's)."""
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds a process (all its threads) has used so far."""
+    return _stat_split(Path(f"/proc/{pid}/stat"))
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process (all its threads) has used so far."""
-    return _stat_seconds(Path(f"/proc/{pid}/stat"))
+    return sum(cpu_split(pid))
 
 
 def loop_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process's main thread (the registry's event loop)."""
-    return _stat_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
+    return sum(_stat_split(Path(f"/proc/{pid}/task/{pid}/stat")))
 
 
 def etcd_cpu_s(cluster: Any) -> float:

@@ -53,6 +53,8 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from bench.common import (
     HOST,
+    cpu_seconds,
+    cpu_split,
     free_port,
     machine,
     registry_server,
@@ -71,17 +73,6 @@ MODES = ("rest", "stream", "stream-422", "floor")
 IDLE_S = 2.0
 SETUP_TTL_S = 3600
 Renew = Callable[[int], Awaitable[bool]]  # node index -> whether the answer was a renewal
-
-
-def cpu_split(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of a process (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
-def cpu_seconds(pid: int) -> float:
-    return sum(cpu_split(pid))
 
 
 async def launch(pool: RawPool, fleet: Fleet) -> None:
@@ -220,18 +211,19 @@ async def run(
     old = await target(*before, args.nodes) if before is not None else None
     await now.streams[0].send(now.messages[0])
     answer_bytes = len(await now.streams[0].recv(decode=False))  # the floor answers as long
-    if "floor" not in args.modes:  # no floor process, no second connection a node
-        result = await rounds(now, old, None, [], args)
-    else:
-        floor_port = free_port()
-        with floor_server(floor_port, answer_bytes) as floor_pid:
+    floor_pid: int | None = None  # no floor process, no second connection a node, unless named
+    floors: list[ClientConnection] = []
+    with ExitStack() as stack:
+        if "floor" in args.modes:
+            floor_port = free_port()
+            floor_pid = stack.enter_context(floor_server(floor_port, answer_bytes))
             floors = [
                 await connect(f"ws://{HOST}:{floor_port}/", compression=None, proxy=None)
                 for _ in now.messages
             ]
-            result = await rounds(now, old, floor_pid, floors, args)
-            for ws in floors:
-                await ws.close()
+        result = await rounds(now, old, floor_pid, floors, args)
+        for ws in floors:
+            await ws.close()
     for t in (now, old):
         if t is not None:
             await t.close()
@@ -272,8 +264,9 @@ async def rounds(
 
     modes: list[str] = list(args.modes)
     await settle(now.pid)
-    pids = [now.pid] + [p for p in (floor_pid,) if p is not None]
-    pids += [old.pid] if old is not None else []
+    pids = [t.pid for t in (now, old) if t is not None]
+    if floor_pid is not None:
+        pids.append(floor_pid)
     idle = dict(zip(pids, await idle_rates(pids), strict=True))
     say("idle: " + ", ".join(f"pid {p} {r * 100:.1f}%" for p, r in idle.items()) + " of a core")
     server: dict[str, tuple[int, Renew]] = {m: (now.pid, r) for m, r in renewals(now).items()}
@@ -302,7 +295,7 @@ async def rounds(
         "seconds": args.seconds,
         "modes": modes,
         "idle_core_share": round(idle[now.pid], 4),
-        "floor_idle_core_share": round(idle[floor_pid], 4) if floor_pid else None,
+        "floor_idle_core_share": round(idle[floor_pid], 4) if floor_pid is not None else None,
         "rounds": seen,
         "server_us_median": mid,
         "client_us_median": {m: statistics.median(r["client_us"] for r in seen[m]) for m in modes},
