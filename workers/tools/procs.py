@@ -71,13 +71,7 @@ def free_port_run(count: int, host: str = "127.0.0.1") -> int:
     for _ in range(200):
         base = random.randrange(low, high - count)
         chosen = range(base, base + count)
-        if any(port in _handed for port in chosen):
-            continue
-        try:
-            for port in chosen:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind((host, port))
-        except OSError:
+        if any(port in _handed or port_taken(port, host) for port in chosen):
             continue
         _handed.update(dict.fromkeys(chosen, at))
         return base

@@ -165,10 +165,11 @@ class Instance:
                 if not proc.alive():
                     raise RuntimeError(f"{proc.name} exited early:\n{self.tails()}")
             with contextlib.suppress(httpx.HTTPError):
-                ours = any(
+                answer = httpx.get(f"{self.url}/health", timeout=2.0)
+                # Only then who answered: vLLM loads for minutes, /proc need not be read meanwhile.
+                if answer.status_code == 200 and any(
                     listens_on(proc.popen.pid, self.port) is not False for proc in self.procs
-                )
-                if ours and httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                ):
                     return time.monotonic() - self.started_at
             time.sleep(0.5)
         raise TimeoutError(f"{self.name} not healthy within {timeout_s} s:\n{self.tails()}")

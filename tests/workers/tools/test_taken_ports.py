@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import itertools
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -102,6 +103,8 @@ def test_listens_on_tells_the_child_that_holds_the_port_from_any_other(
     )
     try:
         assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 30.0)
+        assert ready, "the child did not say its port within 30 s"
         line = child.stdout.readline().decode()  # "Serving HTTP on 127.0.0.1 port N ..."
         port = int(line.split(" port ")[1].split()[0])
         assert listens_on(child.pid, port) is True
@@ -139,8 +142,10 @@ def test_a_registry_on_a_port_it_was_given_fails_naming_the_taken_port(
     proc = RegistryProcess(
         f"sqlite:///{tmp_path / 'r.db'}", port=impostor, log_path=tmp_path / "r.log"
     )
-    with pytest.raises(RuntimeError, match="address already in use"):
+    with pytest.raises(RuntimeError, match="address already in use") as refused:
         proc.start()
+    assert proc.port == impostor
+    assert f"'127.0.0.1', {impostor})" in str(refused.value)
 
 
 @pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)
