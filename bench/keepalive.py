@@ -64,6 +64,7 @@ from bench.common import (
 )
 from bench.fleet import BLOB_BYTES, REGIONS, stream_env
 from bench.fleet_load import TP, Fleet
+from bench.fleet_stream import OPTIONS
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 from bench.ws_floor import floor_server
@@ -198,7 +199,7 @@ async def target(url: str, pid: int, nodes: int) -> Target:
     messages = [json.dumps([g, fleet.engines[g], list(range(TP))]) for g in groups]
     opened = cpu_seconds(pid)
     streams: list[ClientConnection] = [
-        await connect(f"ws://{HOST}:{port}/keepalive", compression=None, proxy=None) for _ in groups
+        await connect(f"ws://{HOST}:{port}/keepalive", **OPTIONS) for _ in groups
     ]
     open_us = (cpu_seconds(pid) - opened) / len(groups) * 1e6
     return Target(pid, pool, bodies, messages, streams, open_us)
@@ -217,10 +218,7 @@ async def run(
         if "floor" in args.modes:
             floor_port = free_port()
             floor_pid = stack.enter_context(floor_server(floor_port, answer_bytes))
-            floors = [
-                await connect(f"ws://{HOST}:{floor_port}/", compression=None, proxy=None)
-                for _ in now.messages
-            ]
+            floors = [await connect(f"ws://{HOST}:{floor_port}/", **OPTIONS) for _ in now.messages]
         result = await rounds(now, old, floor_pid, floors, args)
         for ws in floors:
             await ws.close()
