@@ -4,6 +4,7 @@ it again. Real registry processes; the keeper's cadence on a fake clock (`wait`)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,3 +115,27 @@ def test_a_broken_stream_falls_back_to_rest_then_opens_again(tmp_path: Path) -> 
             assert (pub.stream.renewals, pub.stream.connects) == (2, 2)
         finally:
             pub.close()
+
+
+def test_the_fleet_benchmarks_stream_client_opens_its_stream_as_the_keeper(
+    tmp_path: Path,
+) -> None:
+    """``bench/fleet_stream.py`` stands in for the keeper in the fleet's figures, so it sends
+    what the keeper sends: no pings of its own (websockets' default, every 20 s, was 625
+    ping-pong exchanges a second at 12,500 nodes, counted as the registry's work)."""
+    from bench.fleet_stream import NodeStream, stream_url
+
+    async def opened(url: str) -> tuple[int | None, float | None, bool]:
+        node = NodeStream(stream_url(url), "ka-bench", "no-such-engine", [0])
+        try:
+            status = await node.renew(5.0)
+            assert node.ws is not None
+            return status, node.ws.ping_interval, node.ws.keepalive_task is None
+        finally:
+            await node.close()
+
+    with RegistryProcess(f"sqlite:///{tmp_path / 'r.db'}") as server:
+        status, interval, no_pinger = asyncio.run(opened(server.url))
+    assert status == 404  # answered over the stream: the group has no engine
+    assert interval is None
+    assert no_pinger
