@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import summary_ms
-from bench.fleet_stream import NodeStream, stream_url
+from bench.fleet_stream import NodeStream
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 from registry_client.backoff import Backoff
+from workers.keepalive import stream_url
 
 TP = 8
 TTL_S = 30  # the library's default lease

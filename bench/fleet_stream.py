@@ -6,9 +6,9 @@ message ``[group_id, engine_id, [0, …, 7]]`` and its answer. Where there is no
 renews over REST (``renew`` answers ``None``): the upgrade refused (asked again after
 ``RETRY_S``, at least its ``Retry-After``), or the stream broken or silent past the renewal's
 budget (opened again after a pause of the one back-off policy, from 1 s doubling to
-``CAP_S``, as the keeper does). No pings of its own, as the keeper's (a renewal every 10 s
-shows the stream alive; ``websockets``' default, a ping every 20 s, added 625 ping-pong
-exchanges a second at 12,500 nodes to what the registry serves).
+``CAP_S``, as the keeper does), opened with the keeper's ``OPTIONS`` (no pings of its own:
+``websockets``' default, a ping every 20 s, added 625 ping-pong exchanges a second at 12,500
+nodes to what the registry serves).
 """
 
 from __future__ import annotations
@@ -17,23 +17,14 @@ import asyncio
 import json
 import re
 import time
-from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
 from registry_client.backoff import Backoff
+from workers.keepalive import CAP_S, OPTIONS, RETRY_S
 
-RETRY_S = 600.0  # workers/keepalive.py: a refused stream is asked again this much later
-CAP_S = 30.0  # workers/keepalive.py: the broken stream's back-off cap
 _STATUS = re.compile(rb'"status":\s*(\d+)')
-# The keeper's options (workers/keepalive.py): no compression, no proxy, no pings.
-OPTIONS: dict[str, Any] = {"compression": None, "proxy": None, "ping_interval": None}
-
-
-def stream_url(url: str) -> str:
-    """``GET /keepalive`` of the registry at ``url`` (``http://host:port``)."""
-    return url.replace("https://", "wss://").replace("http://", "ws://") + "/keepalive"
 
 
 class NodeStream:

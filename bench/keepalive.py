@@ -64,10 +64,10 @@ from bench.common import (
 )
 from bench.fleet import BLOB_BYTES, REGIONS, stream_env
 from bench.fleet_load import TP, Fleet
-from bench.fleet_stream import OPTIONS
 from bench.raw_client import RawPool
 from bench.storm_core import COMPAT
 from bench.ws_floor import floor_server
+from workers.keepalive import OPTIONS
 from workers.tools.procs import RegistryProcess
 
 MODES = ("rest", "stream", "stream-422", "floor")

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.fleet_stream import NodeStream
 from harness.server import RegistryProcess
 from registry_client.client import RegistryClient
 from registry_client.models import AgentItem, EngineIdentity, KvSpec
+from workers.keepalive import stream_url
 from workers.publication import BatchPublication
 
 pytestmark = [pytest.mark.api, pytest.mark.timeout(60)]
@@ -123,7 +125,6 @@ def test_the_fleet_benchmarks_stream_client_opens_its_stream_as_the_keeper(
     """``bench/fleet_stream.py`` stands in for the keeper in the fleet's figures, so it sends
     what the keeper sends: no pings of its own (websockets' default, every 20 s, was 625
     ping-pong exchanges a second at 12,500 nodes, counted as the registry's work)."""
-    from bench.fleet_stream import NodeStream, stream_url
 
     async def opened(url: str) -> tuple[int | None, float | None, bool]:
         node = NodeStream(stream_url(url), "ka-bench", "no-such-engine", [0])
