@@ -59,7 +59,9 @@ def lifespan(
         # What the store loaded (every entry and lease of the file) lives as long as the
         # process: out of the collector's sight, a full collection never walks it again.
         gc.freeze()
-        app.state.registry = registry = Registry(owned, metrics, settings.events_keep)
+        app.state.registry = registry = Registry(
+            owned, metrics, settings.events_keep, settings.blob_codec
+        )
         feed = Feed(
             owned,
             registry.decoded,

@@ -17,7 +17,7 @@ from app.core.schemas import (
     blob_of,
 )
 from app.core.timefmt import utc_iso
-from app.registry import keys
+from app.registry import blobs, keys
 from app.registry.races import LOST, Lost, until_won
 from app.registry.records import AgentRecord, trusted
 from app.registry.renewals import RenewalsMixin
@@ -32,7 +32,7 @@ class AgentsMixin(RenewalsMixin):
         self, gid: str, rank: int, req: RegisterAgentRequest, client_host: str | None
     ) -> tuple[Agent, bool]:
         _check_reachable(req.host, client_host)
-        blob = blob_of(req.agent_metadata)
+        blob = blobs.stored(blob_of(req.agent_metadata), self.blob_codec)
 
         async def attempt() -> tuple[Agent, bool] | Lost:
             state = await self._current(gid, rank, req.engine_id, writing=True)

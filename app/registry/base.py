@@ -21,6 +21,7 @@ from app.core.schemas import (
     Engine,
 )
 from app.registry import keys
+from app.registry.blobs import Codec
 from app.registry.events import EventLog
 from app.registry.fresh import FRESH_WAIT_S, EngineGroups, Heads
 from app.registry.kept_states import KeptStates
@@ -75,9 +76,14 @@ class RegistryBase:
     seen: SeenGroups | None = None  # the app sets its watch feed here
 
     def __init__(
-        self, store: Store, metrics: Metrics | None = None, events_keep: int = 1000
+        self,
+        store: Store,
+        metrics: Metrics | None = None,
+        events_keep: int = 1000,
+        blob_codec: Codec = "deflate",
     ) -> None:
         self.store = store
+        self.blob_codec: Codec = blob_codec  # how blobs are stored (app/registry/blobs.py)
         self.metrics = metrics or Metrics()
         self.events = EventLog(store, self.metrics, keep=events_keep)
         self.observer = Observer(self.metrics, self.events)

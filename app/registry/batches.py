@@ -12,7 +12,7 @@ import time
 
 from app.core.schemas import Agents, Heartbeats, RankExpiry, RegisterAgentsRequest, blob_of
 from app.core.timefmt import utc_iso
-from app.registry import keys
+from app.registry import blobs, keys
 from app.registry.agents import AgentsMixin, _check_reachable
 from app.registry.base import outside_group
 from app.registry.races import LOST, Lost, until_won
@@ -28,7 +28,8 @@ class BatchesMixin(AgentsMixin):
     ) -> Agents:
         for i, item in enumerate(req.agents):
             _check_reachable(item.host, client_host, ("agents", i, "host"))
-        blobs = [blob_of(item.agent_metadata) for item in req.agents]
+        codec = self.blob_codec
+        stored = [blobs.stored(blob_of(item.agent_metadata), codec) for item in req.agents]
         ttl_s = req.agents[0].ttl_s
         tries = 0
 
@@ -76,7 +77,7 @@ class BatchesMixin(AgentsMixin):
             values = [keys.dump(record) for record in records]
             ops = [
                 op
-                for record, value, blob in zip(records, values, blobs, strict=True)
+                for record, value, blob in zip(records, values, stored, strict=True)
                 for op in (
                     Put(keys.agent(gid, record.rank), value, lease=lease.id),
                     Put(keys.blob(gid, record.rank), blob, lease=lease.id),

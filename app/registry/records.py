@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from app.core.schemas import (
     Role,
 )
+from app.registry import blobs
 from app.store import Entry
 
 R = TypeVar("R", bound=BaseModel)
@@ -178,7 +179,7 @@ class Decoded:
         hit = self._texts.get(entry.key, entry.mod_revision)
         if isinstance(hit, str):
             return hit
-        text = base64.b64encode(entry.value).decode("ascii")
+        text = base64.b64encode(blobs.sent(entry.value, entry.key)).decode("ascii")
         self._texts.put(entry.key, entry.mod_revision, text, len(text), _group_of(entry.key, None))
         return text
 

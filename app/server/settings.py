@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -167,6 +167,11 @@ class Settings(BaseSettings):
         le=3600,
         description="etcd store: a lease's etcd TTL runs this long past ttl + grace, so most "
         "renewals stay in memory, shared by a journal (0: every renewal reaches etcd).",
+    )
+    blob_codec: Literal["deflate", "none"] = Field(
+        "deflate",
+        description="How agents' metadata blobs are stored: deflate (zlib, when it saves an "
+        "eighth or more) or none (as sent); either way served as sent, and both read.",
     )
     otel: bool = Field(
         False,
