@@ -60,6 +60,22 @@ from workers.tools.procs import RegistryProcess, free_port
 REGIONS = 80
 
 
+BLOB = "nixl"  # the fleet's blobs: "nixl" (real agents' metadata) or "random" (bytes)
+_SAMPLES: dict[int, list[bytes]] = {}
+
+
+def fleet_blobs() -> list[bytes]:
+    """Real NIXL metadata of ``REGIONS`` regions (16 agents' on DRAM, made once a run) for
+    ``BLOB`` "nixl"; none (random bytes of ``BLOB_BYTES``) for "random"."""
+    if BLOB == "random":
+        return []
+    if REGIONS not in _SAMPLES:
+        from bench.blob_size import samples
+
+        _SAMPLES[REGIONS] = samples(REGIONS)
+    return _SAMPLES[REGIONS]
+
+
 def blob_bytes(regions: int) -> int:
     """NIXL's agent metadata for ``regions`` registered regions (``bench/blob_size.py``)."""
     return 408 + 44 * regions
@@ -180,7 +196,7 @@ def one_row(
     log: Path,
     renew: str = "rest",
 ) -> dict[str, Any]:
-    fleet = Fleet(ranks, BLOB_BYTES, REGIONS)
+    fleet = Fleet(ranks, BLOB_BYTES, REGIONS, blobs=fleet_blobs())
     warmup, window = HOLD or ((3.0, 5.0) if quick else (10.0, 30.0))
     env = stream_env(ranks // TP) if renew == "stream" else {}
     idle_etcd = None
@@ -403,6 +419,7 @@ def measure(
         "ceiling": {"ranks": max(sizes), **top},
         "regions": REGIONS,
         "blob_bytes": BLOB_BYTES,
+        "blob": BLOB,
         "handshakes_per_s": HANDSHAKES_PER_S,
         "load_average": Path("/proc/loadavg").read_text().split()[:3],
     }
@@ -411,6 +428,11 @@ def measure(
 def run(quick: bool = False) -> dict[str, Any]:
     sizes = [1000, 4000] if quick else [1000, 10_000, 100_000]
     return measure(sizes, ["sqlite", "etcd"], quick)
+
+
+def _set_blob(kind: str) -> None:
+    global BLOB
+    BLOB = kind
 
 
 def _set_regions(regions: int) -> None:
@@ -444,7 +466,14 @@ def main(argv: list[str] | None = None) -> int:
         default=REGIONS,
         help=f"NIXL regions a rank ({REGIONS}: a tensor a layer; vLLM 0.32 registers 1)",
     )
+    parser.add_argument(
+        "--blob",
+        choices=("nixl", "random"),
+        default="nixl",
+        help="the ranks' metadata: real NIXL agents' (on DRAM) or random bytes of its size",
+    )
     args = parser.parse_args(argv)
+    _set_blob(args.blob)
     if args.regions < 1:
         parser.error("--regions is at least 1")
     _set_regions(args.regions)

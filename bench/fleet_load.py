@@ -72,6 +72,9 @@ class Fleet:
     blob_bytes: int
     regions: int
     engines: dict[str, str] = field(default_factory=dict)  # group id -> engine id
+    # real NIXL metadata (bench.blob_size.samples), one a node in turn; none: random bytes of
+    # ``blob_bytes`` a node, which no codec shrinks
+    blobs: list[bytes] = field(default_factory=list)
 
     @property
     def groups(self) -> list[str]:
@@ -79,7 +82,8 @@ class Fleet:
         return [f"{'prefill' if i % 2 == 0 else 'decode'}-{i:06d}" for i in range(n)]
 
     def agents(self, index: int, eid: str) -> list[dict[str, Any]]:
-        blob = base64.b64encode(os.urandom(self.blob_bytes)).decode()
+        raw = self.blobs[index % len(self.blobs)] if self.blobs else os.urandom(self.blob_bytes)
+        blob = base64.b64encode(raw).decode()
         base = 0x7F0000000000 + (index << 32)
         return [
             {
