@@ -7,8 +7,9 @@ each answering only when every rank is a live agent of that engine (anything els
 range read, which answers or refuses as before):
 
 - the store's memory (``Store.peek``; the SQLite store), read without waiting; a node's last
-  answer is kept with the store's ``memory_version``, and while that number stands (no entry
-  put or deleted since, none ended) the answer stands without the peek: the leases' own
+  answer is kept with the store's ``memory_version`` of ``groups/``, and while that number
+  stands (no entry there put or deleted since, none ended; the events the registry appends
+  under ``events/`` do not count) the answer stands without the peek: the leases' own
   liveness is what the renewal then judges (``refresh_lease`` refuses an ended one, and the
   heartbeat is refused as a peek would have it refused);
 - the replica's watch feed (``seen``), for a store whose renewals say the revision they were
@@ -127,7 +128,7 @@ class RenewalsMixin(RegistryBase):
             memo = self._renewal_memo = {}
         asked = (gid, engine_id, tuple(ranks))
         kept = memo.get(asked)
-        version = self.store.memory_version()
+        version = self.store.memory_version("groups")
         if kept is not None and version is not None and kept[3] == version:
             # No entry changed since; the renewal judges the agents' leases (the engine's entry
             # has none: engines.py puts it without one).

@@ -169,11 +169,12 @@ class Store(ABC):
         memory and none has a change on its way (None: read them with :meth:`get`)."""
         return None
 
-    def memory_version(self) -> int | None:
-        """A number that changes with every change to the entries :meth:`peek` reads (a put,
-        a delete, a lease's end, a reload), so an equal number says a peek would find the same
-        entries, save those whose lease has ended since; None where :meth:`peek` cannot answer
-        now."""
+    def memory_version(self, segment: str) -> int | None:
+        """A number that changes with every change to the entries :meth:`peek` reads under
+        ``segment/`` (a put, a delete, a lease's end, a reload), so an equal number says a
+        peek there would find the same entries, save those whose lease has ended since; None
+        where :meth:`peek` cannot answer now. Per top segment: the events a registry appends
+        (``events/``) never stand for a change to its groups (``groups/``)."""
         return None
 
     @abstractmethod

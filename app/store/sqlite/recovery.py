@@ -27,7 +27,7 @@ class RecoveryMixin:
     _thread: FileThread
     _timeout_s: float
     _kv: dict[str, Entry]
-    _changes: int
+    _reloads: int
     _keys: SortedList[str]
     _leases: dict[int, StoredLease]
     _expiry: list[tuple[float, int]]
@@ -59,7 +59,7 @@ class RecoveryMixin:
     def _install(self, loaded: Loaded) -> None:
         held, self._dirty = self._leases, set()
         self._kv = {e.key: e for e in loaded.entries}
-        self._changes += 1
+        self._reloads += 1
         self._keys = SortedList(e.key for e in loaded.entries)
         wall, now = time.time(), lease_clock.now()
         self._leases = {

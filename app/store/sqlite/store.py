@@ -76,7 +76,9 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
             SqliteFile(self.path, synchronous=synchronous, timeout_s=timeout_s)
         )
         self._kv: dict[str, Entry] = {}
-        self._changes = 0  # counts the changes to _kv (memory_version)
+        # the changes to _kv by the key's top segment, and its reloads (memory_version)
+        self._changes: dict[str, int] = {}
+        self._reloads = 0
         # For prefix ranges; a list's insort moved every later key (64 us a key at 200,000).
         self._keys: SortedList[str] = SortedList()
         self._leases: dict[int, StoredLease] = {}
@@ -105,13 +107,17 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
         lease = self._leases.get(entry.lease)
         return lease is not None and lease.expires_at > now
 
-    def memory_version(self) -> int | None:
+    def memory_version(self, segment: str) -> int | None:
         if self._failure is not None or not self._loaded:
             return None
-        return self._changes
+        return self._reloads + self._changes.get(segment, 0)  # both only grow: never repeats
+
+    def _changed(self, key: str) -> None:
+        segment = key.partition("/")[0]
+        self._changes[segment] = self._changes.get(segment, 0) + 1
 
     def _set(self, entry: Entry) -> None:
-        self._changes += 1
+        self._changed(entry.key)
         old = self._kv.get(entry.key)
         if old is None:
             self._keys.add(entry.key)
@@ -129,7 +135,7 @@ class SqliteStore(RecoveryMixin, LeasesMixin, Store):
         old = self._kv.pop(key, None)
         if old is None:
             return False
-        self._changes += 1
+        self._changed(key)
         self._keys.remove(key)
         if old.lease is not None and (lease := self._leases.get(old.lease)) is not None:
             lease.keys.discard(key)
