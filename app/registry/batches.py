@@ -29,7 +29,9 @@ class BatchesMixin(AgentsMixin):
         for i, item in enumerate(req.agents):
             _check_reachable(item.host, client_host, ("agents", i, "host"))
         codec = self.blob_codec
-        stored = [blobs.stored(blob_of(item.agent_metadata), codec) for item in req.agents]
+        stored = [
+            await blobs.stored_off_loop(blob_of(item.agent_metadata), codec) for item in req.agents
+        ]
         ttl_s = req.agents[0].ttl_s
         tries = 0
 

@@ -8,6 +8,7 @@ other events, handshake bookkeeping bounded, an over-limit ``Expect: 100-continu
 from __future__ import annotations
 
 import base64
+import os
 import json
 import socket
 import time
@@ -121,7 +122,7 @@ def test_an_incompatible_answer_and_its_event_show_each_value_once_and_cut(
 def test_memory_kept_for_deleted_groups_is_given_back(
     shared: RegistryProcess, http: httpx.Client
 ) -> None:
-    blob = base64.b64encode(b"\x07" * 2_000_000).decode()
+    blob = base64.b64encode(os.urandom(2_000_000)).decode()
 
     def cycle(i: int) -> None:
         group = gid(f"del{i}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_a_blob_over_etcds_limit_is_answered_413_at_once_naming_it(
     with httpx.Client(base_url=registry.url, timeout=30.0) as http:
         eid = open_engine(http, "big-blob", tp_size=1)["engine_id"]
         body = agent_body(eid, 0) | {
-            "agent_metadata": base64.b64encode(b"\x01" * 2_500_000).decode()
+            "agent_metadata": base64.b64encode(os.urandom(2_500_000)).decode()
         }
         t0 = time.monotonic()
         answer = http.put("/tp-groups/big-blob/engine/agents/0", json=body)

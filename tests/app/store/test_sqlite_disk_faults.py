@@ -11,6 +11,7 @@ and every freeze thawed in ``finally`` blocks."""
 from __future__ import annotations
 
 import base64
+import os
 import re
 import threading
 import time
@@ -298,7 +299,7 @@ def test_a_full_disk_answers_writes_503_saying_so_and_recovers_once_space_is_fre
                 fill_up(filler)
                 # 256 KiB of metadata: more than the WAL has room for, so it needs new space.
                 big = agent_body(eid, 1)
-                big["agent_metadata"] = base64.b64encode(b"\x5a" * 256 * 1024).decode()
+                big["agent_metadata"] = base64.b64encode(os.urandom(256 * 1024)).decode()
                 broken: list[str] = []
                 answer, seconds = bounded(
                     http, "PUT", f"/tp-groups/{group}/engine/agents/1", json=big

@@ -11,6 +11,7 @@ time is credited to the leases."""
 from __future__ import annotations
 
 import base64
+import os
 import threading
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ GROUPS = 3
 def _big_agent(eid: str, rank: int) -> dict[str, Any]:
     """256 KiB of metadata: more than the WAL has room for, so its commit needs new space."""
     body = agent_body(eid, rank, ttl_s=TTL_S)
-    body["agent_metadata"] = base64.b64encode(b"\x5a" * 256 * 1024).decode()
+    body["agent_metadata"] = base64.b64encode(os.urandom(256 * 1024)).decode()
     return body
 
 
