@@ -8,8 +8,8 @@ other events, handshake bookkeeping bounded, an over-limit ``Expect: 100-continu
 from __future__ import annotations
 
 import base64
-import os
 import json
+import os
 import socket
 import time
 import uuid
