@@ -112,11 +112,19 @@ def _pages(reads: dict[str, Any]) -> str:
     return f"{first}; again {max(again)} ms" if again else first
 
 
+def blobs(f: dict[str, Any]) -> str:
+    """What the ranks registered: real NIXL agents' metadata (``--blob nixl``) or random bytes
+    (``random``, and every run before the choice was recorded)."""
+    if f.get("blob") == "nixl":
+        return "real NIXL agents' metadata on DRAM"
+    return f"{f.get('blob_bytes', '?')}-byte random blobs"
+
+
 def table(f: dict[str, Any]) -> list[str]:
     lines = [
         "### A fleet on one registry (bench/fleet.py)",
         "",
-        f"TP 8 groups, {f.get('blob_bytes', '?')}-byte blobs ({f.get('regions', '?')} NIXL "
+        f"TP 8 groups, {blobs(f)} ({f.get('regions', '?')} NIXL "
         f"regions a rank), per-node heartbeats every 10 s, {f.get('handshakes_per_s', '?')} "
         f"handshakes/s; load average {' '.join(f.get('load_average', []))} at the end.",
         "",
