@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+GROUPS = "groups"  # the top segment of every key of a group's state (not its blobs)
+
 
 def engine(gid: str) -> str:
     return f"groups/{gid}/engine"

@@ -128,7 +128,7 @@ class RenewalsMixin(RegistryBase):
             memo = self._renewal_memo = {}
         asked = (gid, engine_id, tuple(ranks))
         kept = memo.get(asked)
-        version = self.store.memory_version("groups")
+        version = self.store.memory_version(keys.GROUPS)
         if kept is not None and version is not None and kept[3] == version:
             # No entry changed since; the renewal judges the agents' leases (the engine's entry
             # has none: engines.py puts it without one).

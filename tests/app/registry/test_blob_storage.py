@@ -15,7 +15,6 @@ import sqlite3
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -208,14 +207,7 @@ def test_a_restart_serves_blobs_an_earlier_version_stored(tmp_path: Path) -> Non
     assert sqlite_values(db, "p-old") == sent_blobs
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    if not etcd_available():
-        pytest.skip(SKIP_REASON)
-    with EtcdCluster(Path(tmp_path_factory.mktemp("etcd")), size=1) as cluster:
-        yield cluster
-
-
+@pytest.mark.skipif(not etcd_available(), reason=SKIP_REASON)
 def test_etcd_holds_deflated_blobs_and_every_replica_serves_them_as_sent(
     etcd: EtcdCluster, tmp_path: Path
 ) -> None:
