@@ -11,11 +11,14 @@ pytestmark = pytest.mark.unit
 pytest.importorskip("aetcd", reason="the etcd extra is not installed")
 
 from app.store.etcd.journal import (  # noqa: E402
+    MIN_TICK_S,
     PENDING,
+    TICK_S,
     Book,
     in_journal,
     journal_key,
     pack,
+    tick_at,
     unpack,
 )
 
@@ -84,3 +87,14 @@ def test_only_reads_that_may_reach_the_journal_filter_it() -> None:
     assert not in_journal("groups/")
     assert journal_key("groups.\x7frenewed/abc")
     assert not journal_key("groups.")
+
+
+def test_a_busy_replica_writes_about_forty_leases_a_write() -> None:
+    """A write costs the replica about the same whatever it holds: at the fleet's pace (12,500
+    nodes a 10 s interval) it writes about 31 times a second, not 49; a quiet replica once a
+    ``TICK_S``, a very busy one once a ``MIN_TICK_S``."""
+    assert tick_at(1250.0) == pytest.approx(0.032)
+    assert 1250.0 * tick_at(1250.0) == pytest.approx(40.0)
+    assert tick_at(0.0) == TICK_S
+    assert tick_at(100.0) == TICK_S
+    assert tick_at(10_000.0) == MIN_TICK_S
