@@ -66,7 +66,7 @@ TICK_S = 0.05  # at most one write a tick: a renewal waits for the next write, â
 # write costs the replica about the same CPU whatever it holds (an etcd call alone, 0.6-0.9 ms
 # here, gRPC's threads included; ``bench.etcd_calls``): at 1,250 renewals a second, 40 a write
 # (a 32 ms tick, 31 writes a second) took 3-22% less of the replica's CPU than 20 (49 writes;
-# 4 pairs, median 7%) and a quarter less of etcd's, for a heartbeat p99 of 40-45 ms, not 29-34.
+# 4 pairs, median 7%) and a quarter less of etcd's, for a heartbeat p99 of 40-45 ms, not 29-35.
 LEASES_A_WRITE = 40
 MIN_TICK_S = 0.02
 PROGRESS_S = 5.0  # a quiet journal watch asks etcd for progress this often
