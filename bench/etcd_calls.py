@@ -31,13 +31,12 @@ from harness.etcd import EtcdCluster
 VALUE = bytes(960)
 
 
-async def _paced(client: aetcd.Client, calls: int, pause_s: float) -> float:
+async def _paced(client: aetcd.Client, calls: int, pause_s: float) -> None:
     put = rpc.PutRequest(key=b"bench/journal", value=VALUE)
     for _ in range(calls):
         await client.kvstub.Put(put, timeout=5.0)
         if pause_s:
             await asyncio.sleep(pause_s)
-    return pause_s
 
 
 async def _at_once(client: aetcd.Client, calls: int, width: int) -> None:

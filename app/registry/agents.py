@@ -32,7 +32,7 @@ class AgentsMixin(RenewalsMixin):
         self, gid: str, rank: int, req: RegisterAgentRequest, client_host: str | None
     ) -> tuple[Agent, bool]:
         _check_reachable(req.host, client_host)
-        blob = await blobs.stored_off_loop(blob_of(req.agent_metadata), self.blob_codec)
+        (blob,) = await blobs.stored_off_loop([blob_of(req.agent_metadata)], self.blob_codec)
 
         async def attempt() -> tuple[Agent, bool] | Lost:
             state = await self._current(gid, rank, req.engine_id, writing=True)

@@ -28,10 +28,8 @@ class BatchesMixin(AgentsMixin):
     ) -> Agents:
         for i, item in enumerate(req.agents):
             _check_reachable(item.host, client_host, ("agents", i, "host"))
-        codec = self.blob_codec
-        stored = [
-            await blobs.stored_off_loop(blob_of(item.agent_metadata), codec) for item in req.agents
-        ]
+        raws = [blob_of(item.agent_metadata) for item in req.agents]
+        stored = await blobs.stored_off_loop(raws, self.blob_codec)
         ttl_s = req.agents[0].ttl_s
         tries = 0
 

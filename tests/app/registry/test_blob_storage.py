@@ -87,8 +87,9 @@ def test_a_blob_stored_by_an_earlier_version_reads_as_it_is() -> None:
 
 
 def test_a_large_blob_deflates_off_the_event_loops_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request body's worth of blob is deflated on a worker thread (4 MiB of random bytes
-    take about 90 ms); NIXL's few KiB on the loop, where the hop would cost more."""
+    """A request body's worth of blobs is deflated on a worker thread (4 MiB of random bytes
+    take about 90 ms), whether one blob or a batch's many; NIXL's few KiB on the loop, where
+    the hop would cost more."""
     threads: list[int] = []
     real = blobs.stored
 
@@ -101,13 +102,20 @@ def test_a_large_blob_deflates_off_the_event_loops_thread(monkeypatch: pytest.Mo
     async def main() -> None:
         loop_thread = threading.get_ident()
         large = nixl_like(0) * 64  # 250 KiB, deflates
-        assert sent(await blobs.stored_off_loop(large, "deflate")) == large
+        assert [sent(b) for b in await blobs.stored_off_loop([large], "deflate")] == [large]
         assert threads.pop() != loop_thread
         small = nixl_like(1)
-        assert sent(await blobs.stored_off_loop(small, "deflate")) == small
+        assert [sent(b) for b in await blobs.stored_off_loop([small], "deflate")] == [small]
         assert threads.pop() == loop_thread
-        assert await blobs.stored_off_loop(large, "none") == large  # nothing to deflate
+        assert await blobs.stored_off_loop([large], "none") == [large]  # nothing to deflate
         assert threads.pop() == loop_thread
+        # A batch of blobs each under the bar, together over it: one hop for all of them.
+        batch = [nixl_like(i) * 3 for i in range(8)]
+        assert all(len(b) < blobs.OFF_LOOP_BYTES for b in batch)
+        assert sum(map(len, batch)) > blobs.OFF_LOOP_BYTES
+        assert [sent(b) for b in await blobs.stored_off_loop(batch, "deflate")] == batch
+        assert len(threads) == 8
+        assert loop_thread not in threads
 
     asyncio.run(main())
 
