@@ -25,7 +25,8 @@ The launch (each group's open, then its node's registration, one group at a time
 as CPU while the registry answers (the client's bodies are made outside those spans): per
 group, the event loop's thread (and of it, the open's and the registration's) and the whole
 process (the SQLite file's thread beside it); ``--profile-launch`` writes a cProfile of those
-spans.
+spans. Every 10 s of the launch the groups registered so far renew once, not counted (as the
+fleet's nodes do; on etcd a launch of 2,000 groups outlasts their 30 s lease).
 
 ``--evict BYTES`` writes over a buffer of that size between two heartbeats (not timed), as the
 rest of a live machine does between two heartbeats 0.8 ms apart (the client, the kernel's
@@ -64,6 +65,8 @@ from bench.storm_core import COMPAT
 ROUNDS, PER_ROUND = 7, 5000
 IDLE_S = 3.0  # the registry left idle this long before the rounds: its CPU then
 ANSWER_S = 30.0  # an answer not written by then fails the run
+RENEW_S = 10.0  # the launch's registered groups renew this often (the library's pace, TTL 30 s)
+RENEW_WAVE = 64  # renewals in flight at once then
 
 
 class KeptTransport(asyncio.Transport):
@@ -207,6 +210,24 @@ async def measure(
             launch["process"] += time.process_time() - process
             return answer
 
+        def beat(gid: str, eid: str) -> bytes:
+            body = {"engine_id": eid, "ranks": list(range(TP))}
+            return RawPool.prepare("POST", f"/tp-groups/{gid}/engine/agents/heartbeat", body)
+
+        async def renew_all() -> None:
+            """Every group registered so far renews once, ``RENEW_WAVE`` at a time on fresh
+            connections (on etcd a renewal's answer waits for the journal's tick), as the
+            fleet's nodes do every ``RENEW_S``: a launch longer than their lease (etcd's, of
+            2,000 groups) keeps them."""
+            connect(RENEW_WAVE)
+            up = [beat(g, e) for g, e in engines.items()]
+            for k in range(0, len(up), RENEW_WAVE):
+                refused = [a for a in await wave(up[k : k + RENEW_WAVE]) if b" 200 " not in a[:16]]
+                if refused:
+                    raise RuntimeError(f"heartbeat refused in the launch: {refused[0][:300]!r}")
+            connect(1)
+
+        beaten = time.monotonic()
         for i, gid in enumerate(fleet.groups):
             role = "prefill" if gid.startswith("prefill") else "decode"
             body = {"launch_id": uuid.uuid4().hex, "tp_size": TP, "role": role, "compat": COMPAT}
@@ -219,18 +240,14 @@ async def measure(
             if not answer.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"registration refused: {answer[:300]!r}")
             engines[gid] = eid
+            if time.monotonic() - beaten > RENEW_S:  # the groups up so far renew (not timed)
+                await renew_all()
+                beaten = time.monotonic()
         if launch_prof is not None and launch_profile is not None:
             launch_prof.dump_stats(launch_profile)
         connect(max(connections, in_flight))
         rng = random.Random(1)
-        beats = [
-            RawPool.prepare(
-                "POST",
-                f"/tp-groups/{g}/engine/agents/heartbeat",
-                {"engine_id": engines[g], "ranks": list(range(TP))},
-            )
-            for g in (rng.choice(list(engines)) for _ in range(PER_ROUND))
-        ]
+        beats = [beat(g, engines[g]) for g in (rng.choice(list(engines)) for _ in range(PER_ROUND))]
         waves = [beats[i : i + in_flight] for i in range(0, PER_ROUND, in_flight)]
         for w in waves[: max(1, len(waves) // 5)]:  # warm up
             await wave(w)
