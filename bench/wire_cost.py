@@ -69,6 +69,11 @@ RENEW_S = 10.0  # the launch's registered groups renew this often (the library's
 RENEW_WAVE = 64  # renewals in flight at once then
 
 
+def _ok(answer: bytes) -> bool:
+    """Whether the server's answer is a 200."""
+    return answer.startswith(b"HTTP/1.1 200")
+
+
 class KeptTransport(asyncio.Transport):
     """A transport that keeps what the protocol writes."""
 
@@ -222,7 +227,7 @@ async def measure(
             connect(RENEW_WAVE)
             up = [beat(g, e) for g, e in engines.items()]
             for k in range(0, len(up), RENEW_WAVE):
-                refused = [a for a in await wave(up[k : k + RENEW_WAVE]) if b" 200 " not in a[:16]]
+                refused = [a for a in await wave(up[k : k + RENEW_WAVE]) if not _ok(a)]
                 if refused:
                     raise RuntimeError(f"heartbeat refused in the launch: {refused[0][:300]!r}")
             connect(1)
@@ -237,7 +242,7 @@ async def measure(
             answer = await timed(
                 RawPool.prepare("PUT", f"/tp-groups/{gid}/engine/agents", agents), "register"
             )
-            if not answer.startswith(b"HTTP/1.1 200"):
+            if not _ok(answer):
                 raise RuntimeError(f"registration refused: {answer[:300]!r}")
             engines[gid] = eid
             if time.monotonic() - beaten > RENEW_S:  # the groups up so far renew (not timed)
@@ -275,7 +280,7 @@ async def measure(
             walls.append(time.monotonic() - began)
             rounds.append(spent / PER_ROUND * 1e6)
             loop_rounds.append(on_loop / PER_ROUND * 1e6)
-        refused = [a for a in answers if not a.startswith(b"HTTP/1.1 200")]
+        refused = [a for a in answers if not _ok(a)]
         if refused:
             raise RuntimeError(f"heartbeat refused: {refused[0][:300]!r}")
         if profile is not None:
