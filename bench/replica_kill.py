@@ -17,7 +17,8 @@
    (the moved ones): the refused tries on A, each second's answers 200 from B (the largest:
    the reconnect peak), the time until every moved node has renewed on B, B's CPU share until
    then; for every node: heartbeats answered 404 (a lapsed lease: the goal is 0), calls no
-   replica answered. Then one more heartbeat interval: B's CPU share serving the whole fleet.
+   replica answered. Then one more heartbeat interval: B's CPU share serving the whole fleet,
+   and the two replicas' steady share over it (``two_over_one``; issue 51's goal: ≤ 1.2).
 5. **A again**: A started on the same port and store: the time until it serves, and the tries
    it gets in the next interval (nodes stay where they renewed: none move back).
 
@@ -170,6 +171,9 @@ def measure(ranks: int, quick: bool, stop_s: float = 0.0) -> dict[str, Any]:
                 b.stop()
     hold = out["steady"]
     hold["core_share_a_b"] = [round((marks[1][k] - marks[0][k]) / window, 3) for k in (A, B)]
+    alone = phases["kill"]["b_core_share_whole_fleet"] if "kill" in phases else 0.0
+    if alone > 0:  # the two replicas' CPU against one's (B) serving the same fleet alone
+        hold["two_over_one"] = round(sum(hold["core_share_a_b"]) / alone, 2)
     return {
         "ranks": ranks,
         "groups": len(fleet.groups),
@@ -179,7 +183,7 @@ def measure(ranks: int, quick: bool, stop_s: float = 0.0) -> dict[str, Any]:
         "steady": hold,
         **phases,
         "statuses_after_window": out["after_window_statuses"],
-        "goals": {"lapses": 0},
+        "goals": {"lapses": 0, "two_over_one": 1.2},
         "registry_env": {
             k: v for k, v in os.environ.items() if k.startswith("REGISTRY_ETCD_RENEW")
         },
