@@ -171,7 +171,7 @@ def measure(ranks: int, quick: bool, stop_s: float = 0.0) -> dict[str, Any]:
                 b.stop()
     hold = out["steady"]
     hold["core_share_a_b"] = [round((marks[1][k] - marks[0][k]) / window, 3) for k in (A, B)]
-    alone = phases["kill"]["b_core_share_whole_fleet"] if "kill" in phases else 0.0
+    alone = phases["kill"]["b_core_share_whole_fleet"]  # after_window always ran by now
     if alone > 0:  # the two replicas' CPU against one's (B) serving the same fleet alone
         hold["two_over_one"] = round(sum(hold["core_share_a_b"]) / alone, 2)
     return {
